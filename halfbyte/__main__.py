@@ -1,0 +1,5 @@
+import sys
+
+from halfbyte.cli import main
+
+sys.exit(main())

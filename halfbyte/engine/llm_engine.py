@@ -1,0 +1,166 @@
+"""The engine loop the APIs use: add_request, abort_request, step() -> outputs."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from halfbyte.engine.config import EngineConfig, resolve_device, resolve_dtype
+from halfbyte.engine.detokenizer import IncrementalDetokenizer
+from halfbyte.engine.kv_cache import PagePool
+from halfbyte.engine.runner import ModelRunner
+from halfbyte.engine.scheduler import Scheduler
+from halfbyte.engine.sequence import Sequence, SequenceStatus
+from halfbyte.errors import InvalidParameterError, PromptTooLongError
+from halfbyte.io.model_dir import read_json, read_optional_json, resolve_model_dir
+from halfbyte.io.tokenizer import Tokenizer
+from halfbyte.model.config import ModelConfig
+from halfbyte.model.loader import load_model
+from halfbyte.model.rope import RopeScaling
+from halfbyte.sampling_params import SamplingParams
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        rope_scaling: RopeScaling | str | None = None,
+        config: EngineConfig | None = None,
+        show_progress: bool = False,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model_dir = resolve_model_dir(model)
+        hf_config = read_json(self.model_dir / "config.json")
+        model_cfg = ModelConfig.from_hf(hf_config)
+        if rope_scaling is not None:
+            scaling = RopeScaling.parse(rope_scaling) if isinstance(rope_scaling, str) else rope_scaling
+            model_cfg = model_cfg.with_rope_scaling(scaling)
+        self.model_config = model_cfg
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.eos_token_ids = self._eos_ids(model_cfg)
+        self.max_model_len = self.config.max_model_len or model_cfg.max_position_embeddings
+        self.model = load_model(self.model_dir, model_cfg, self.dtype, self.device, show_progress)
+        page = self.config.page_size
+        kv_tokens = self.config.kv_cache_tokens or self.max_model_len
+        self.pool = PagePool(model_cfg, max(16, -(-kv_tokens // page)), page, self.dtype, self.device)
+        self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_batch_tokens)
+        self.runner = ModelRunner(self.model, self.pool)
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+
+    def _eos_ids(self, cfg: ModelConfig) -> set[int]:
+        ids = set(cfg.eos_token_ids)
+        gen = read_optional_json(self.model_dir / "generation_config.json").get("eos_token_id")
+        ids.update(gen if isinstance(gen, list) else [gen] if isinstance(gen, int) else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._seqs:
+            raise InvalidParameterError(f"request_id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise InvalidParameterError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens; the context window holds {self.max_model_len} (prompt + at least 1 new)"
+            )
+        if self.pool.pages_for(n + 1) > self.pool.num_pages:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens; the KV cache holds {self.pool.num_pages * self.pool.page_size}"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
+            ),
+            generator=generator,
+            arrival=next(self._arrivals),
+        )
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        tokens = self.runner.step(batch)
+        outputs = []
+        for seq, token in zip(batch.seqs, tokens, strict=True):
+            seq.token_ids.append(token)
+            reason = self._check_stop(seq, token)
+            if reason is not None:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                del self._seqs[seq.request_id]
+            outputs.append(
+                StepOutput(
+                    seq.request_id,
+                    [token],
+                    seq.detokenizer.take_delta(seq.is_finished),
+                    seq.is_finished,
+                    seq.finish_reason,
+                )
+            )
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.detokenizer.add_token(token) is not None:
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    def close(self) -> None:
+        for rid in list(self._seqs):
+            self.abort_request(rid)
+        self.pool.kv_caches.clear()
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,62 @@
+"""Turning a scheduled batch into device tensors, running the model, sampling a token per sequence."""
+
+from __future__ import annotations
+
+import torch
+
+from halfbyte.engine.kv_cache import PagePool
+from halfbyte.engine.sampler import sample
+from halfbyte.engine.scheduler import ScheduledBatch
+from halfbyte.kernels.attention import AttentionMetadata
+from halfbyte.model.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: PagePool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = model.device
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        page = self.pool.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        for seq in batch.seqs:
+            start = seq.num_computed_tokens
+            new = seq.token_ids[start:]
+            ids.extend(new)
+            span = range(start, seq.num_tokens)
+            positions.extend(span)
+            slots.extend(seq.block_table[p // page] * page + p % page for p in span)
+            query_start.append(len(ids))
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start=query_start,
+            seq_lens=[s.num_tokens for s in batch.seqs],
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        )
+        return (
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+        )
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """fp32 logits [B, vocab] at each sequence's last token; marks the batch's tokens cached."""
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.pool.kv_caches, meta)
+        last = torch.tensor(meta.query_start[1:], device=self.device) - 1
+        for seq in batch.seqs:
+            seq.num_computed_tokens = seq.num_tokens
+        return self.model.compute_logits(hidden[last])
+
+    def step(self, batch: ScheduledBatch) -> list[int]:
+        logits = self.forward_logits(batch)
+        tokens = sample(logits, [s.params for s in batch.seqs], [s.generator for s in batch.seqs])
+        return [int(t) for t in tokens.tolist()]

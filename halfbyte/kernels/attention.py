@@ -1,0 +1,91 @@
+"""Attention over a paged KV cache: the batch's new tokens attend causally to their sequence's
+cached keys and values, located through per-sequence block tables.
+
+One op covers prefill, chunked prefill over a cached prefix, and decode: each sequence b has
+query tokens q[query_start[b]:query_start[b+1]], the last ones of its seq_lens[b] tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's tokens are, in the flat batch and in the page pool."""
+
+    query_start: list[int]  # [B + 1] offsets of each sequence's new tokens in the flat batch
+    seq_lens: list[int]  # [B] tokens in each sequence after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_pages] int32 page ids, on the cache's device
+    slot_mapping: torch.Tensor  # [T] int64 flat cache slot (page * page_size + offset) per new token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_start[-1] == self.num_seqs
+
+
+def store_kv_ref(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
+
+
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: [length, Hkv, D]."""
+    return cache[pages].flatten(0, 1)[:length]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention for every sequence in the batch, computed in fp32. Returns [T, Hq, D]."""
+    page_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for b, seq_len in enumerate(meta.seq_lens):
+        q0, q1 = meta.query_start[b], meta.query_start[b + 1]
+        n_new = q1 - q0
+        pages = meta.block_tables[b, : (seq_len + page_size - 1) // page_size]
+        k = _gather_pages(k_cache, pages, seq_len).float().transpose(0, 1)  # [Hkv, L, D]
+        v = _gather_pages(v_cache, pages, seq_len).float().transpose(0, 1)
+        qb = q[q0:q1].float().transpose(0, 1)  # [Hq, n, D]
+        q_pos = torch.arange(seq_len - n_new, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[q0:q1] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)

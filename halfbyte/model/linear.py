@@ -1,0 +1,27 @@
+"""Linear layers of the network. Dense now; quantized, LoRA and tensor-parallel variants share
+this interface (forward on [T, in] -> [T, out], weights loaded by name)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x @ W^T (+ b). The weight may be several checkpoint matrices fused along out_features
+    (q/k/v, gate/up): one matmul instead of three reads the activations once."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)

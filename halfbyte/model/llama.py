@@ -1,0 +1,132 @@
+"""The Llama-family network (llama, mistral, qwen2, SmolLM) over a flat batch of tokens.
+
+The batch is flat: T tokens from any number of sequences, with positions and an
+AttentionMetadata saying where each sequence's tokens and KV pages are. The network knows
+nothing of requests; it calls ops only through halfbyte.kernels."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from halfbyte.kernels.activation import silu_and_mul
+from halfbyte.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from halfbyte.kernels.embedding import embedding
+from halfbyte.kernels.rms_norm import add_rms_norm, rms_norm
+from halfbyte.kernels.rotary import apply_rotary
+from halfbyte.model.config import ModelConfig
+from halfbyte.model.linear import Linear
+from halfbyte.model.rope import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: k, v [num_pages, page_size, Hkv, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, dtype, device)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype, device)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k = apply_rotary(q, k, cos, sin)
+        k_cache, v_cache = kv_cache
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, cfg.sliding_window)
+        return self.o_proj(o.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, dtype, device)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device), False)
+        self.post_attention_layernorm = nn.Parameter(
+            torch.empty(cfg.hidden_size, dtype=dtype, device=device), False
+        )
+        self.self_attn = Attention(cfg, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is fused into the following norm: (norm(x + r), x + r).
+        if residual is None:
+            residual, h = x, rms_norm(x, self.input_layernorm, self.eps)
+        else:
+            h, residual = add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.embed_tokens = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), False
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device), False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, False, dtype, device
+        )
+        self.rotary = RotaryEmbedding(
+            cfg.rope_scaling, cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device, dtype
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm: [T, hidden]."""
+        cos, sin = self.rotary.cos_sin(positions, seq_len=max(meta.seq_lens))
+        x = embedding(input_ids, self.embed_tokens)
+        residual: torch.Tensor | None = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv, meta)
+        assert residual is not None
+        x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab]."""
+        if self.lm_head is None:
+            return torch.nn.functional.linear(hidden, self.embed_tokens).float()
+        return self.lm_head(hidden).float()
