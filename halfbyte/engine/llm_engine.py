@@ -88,9 +88,11 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"the prompt has {n} tokens; the context window holds {self.max_model_len} (prompt + at least 1 new)"
             )
-        if self.pool.pages_for(n + 1) > self.pool.num_pages:
+        worst_case = min(n + params.max_tokens, self.max_model_len)
+        if self.pool.pages_for(worst_case) > self.pool.num_pages:
             raise PromptTooLongError(
-                f"the prompt has {n} tokens; the KV cache holds {self.pool.num_pages * self.pool.page_size}"
+                f"the request needs up to {worst_case} tokens of KV cache (prompt {n} + max_tokens "
+                f"{params.max_tokens}); the cache holds {self.pool.num_pages * self.pool.page_size}"
             )
         generator = None
         if params.seed is not None:

@@ -74,12 +74,6 @@ def paged_attention_ref(
     return out
 
 
-def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from halfbyte.kernels.dispatch import use_triton
+from halfbyte.kernels.triton_utils import HAS_TRITON, next_power_of_2, tl, triton
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / rms(x), in fp32, cast back to x's dtype before the weight as Llama does."""
@@ -20,11 +23,58 @@ def add_rms_norm_ref(
     return rms_norm_ref(summed, weight, eps), summed
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+        n_cols, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # one program per row; the row fits in registers (hidden sizes up to 16k)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            # round the sum to the activation dtype first, as the reference's `x + residual` does
+            x = x + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+            tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+        normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x = x.contiguous()
+    n_cols = x.shape[-1]
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    rows = x.numel() // n_cols
+    block = next_power_of_2(n_cols)
+    _rms_norm_kernel[(rows,)](
+        x, residual.contiguous() if residual is not None else x, weight, out,
+        res_out if res_out is not None else out, n_cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )
+    return out, res_out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps)[0]
     return rms_norm_ref(x, weight, eps)
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        out, summed = rms_norm_triton(x, weight, eps, residual)
+        assert summed is not None
+        return out, summed
     return add_rms_norm_ref(x, residual, weight, eps)

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from halfbyte.kernels.activation import silu_and_mul
-from halfbyte.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from halfbyte.kernels.attention import AttentionMetadata, paged_attention
 from halfbyte.kernels.embedding import embedding
 from halfbyte.kernels.rms_norm import add_rms_norm, rms_norm
-from halfbyte.kernels.rotary import apply_rotary
+from halfbyte.kernels.rotary import rope_and_store
 from halfbyte.model.config import ModelConfig
 from halfbyte.model.linear import Linear
 from halfbyte.model.rope import RotaryEmbedding
@@ -43,9 +43,8 @@ class Attention(nn.Module):
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q, k = apply_rotary(q, k, cos, sin)
         k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, cfg.sliding_window)
         return self.o_proj(o.flatten(1))
 
@@ -105,7 +104,8 @@ class LlamaModel(nn.Module):
             cfg.hidden_size, cfg.vocab_size, False, dtype, device
         )
         self.rotary = RotaryEmbedding(
-            cfg.rope_scaling, cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device, dtype
+            # cos/sin stay fp32 whatever the weights: rotation is computed in fp32 and rounded once
+            cfg.rope_scaling, cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device, torch.float32
         )
 
     def forward(
@@ -124,6 +124,19 @@ class LlamaModel(nn.Module):
         assert residual is not None
         x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
+
+    def prepare_for_inference(self) -> None:
+        """Lay weights out for the device after loading. On the CPU, W^T halves the GEMV time
+        of the big matrices (LM head: 10.4 -> 5.7 ms for SmolLM2, 2 cores)."""
+        if self.device.type != "cpu":
+            return
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.transpose_weight()
+        if self.lm_head is None:  # tied: a transposed copy for the head, the table for lookups
+            self.lm_head = Linear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.dtype, self.device)
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.data.t().contiguous(), False)
+            self.lm_head.transposed = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""

@@ -32,4 +32,5 @@ def load_model(
             load_hf_weights(model, tracked())
     else:
         load_hf_weights(model, tensors)
+    model.prepare_for_inference()
     return model.eval()

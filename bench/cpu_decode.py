@@ -1,0 +1,84 @@
+"""CPU decode speed on the embedded default model: halfbyte beside transformers, same run.
+
+Usage: python bench/cpu_decode.py [--model DIR] [--new-tokens 128] [--json OUT.json]
+Prints a table last; the ratio is the number to track (BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from halfbyte import LLM, SamplingParams  # noqa: E402
+from halfbyte.io.default_model import ensure_default_model  # noqa: E402
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def bench_halfbyte(model_dir: Path, new_tokens: int, dtype: str) -> dict[str, float]:
+    with LLM(model_dir, device="cpu", dtype=dtype) as llm:
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+        llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))  # warm-up
+        prompt_ids = llm.tokenizer.encode(PROMPT)
+        # time prefill and decode separately: first token, then the rest
+        t0 = time.perf_counter()
+        first: list[float] = []
+        llm.generate(prompt_ids, params, on_token=lambda rid, d: first.append(time.perf_counter()) if not first else None)
+        total = time.perf_counter() - t0
+        ttft = (first[0] - t0) if first else float("nan")
+        return {"tokens_per_s": (new_tokens - 1) / (total - ttft), "ttft_s": ttft, "prompt_tokens": len(prompt_ids)}
+
+
+def bench_transformers(model_dir: Path, new_tokens: int) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, do_sample=False)  # warm-up
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        total = time.perf_counter() - t0
+    assert out.shape[1] - ids.shape[1] == new_tokens
+    return {"tokens_per_s": (new_tokens - 1) / (total - ttft), "ttft_s": ttft, "prompt_tokens": ids.shape[1]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else ensure_default_model(fetch=True)
+    rows = {
+        "halfbyte fp32": bench_halfbyte(model_dir, args.new_tokens, "float32"),
+        "transformers fp32": bench_transformers(model_dir, args.new_tokens),
+    }
+    result = {
+        "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+        "threads": args.threads, "torch": torch.__version__, "new_tokens": args.new_tokens, "rows": rows,
+        "ratio": rows["halfbyte fp32"]["tokens_per_s"] / rows["transformers fp32"]["tokens_per_s"],
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"\n{'engine':<20}{'decode tok/s':>14}{'TTFT ms':>10}")
+    for name, r in rows.items():
+        print(f"{name:<20}{r['tokens_per_s']:>14.1f}{r['ttft_s'] * 1000:>10.1f}")
+    print(f"halfbyte / transformers decode: {result['ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
