@@ -8,9 +8,7 @@ import torch
 
 from halfbyte.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from halfbyte.kernels.rms_norm import add_rms_norm_ref, rms_norm_ref, rms_norm_triton
-from tests.kernel_testing import DEVICE, rel_err
-
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+from tests.kernel_testing import DEVICE, DTYPES, rel_err
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

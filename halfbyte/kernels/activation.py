@@ -23,10 +23,11 @@ if HAS_TRITON:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
         gate = tl.load(gu_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0)
-        # the reference rounds silu(gate) to the activation dtype before the product
-        act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-        tl.store(out_ptr + row * inter + cols, act * up, mask=mask)
+        up = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        # fp32 arithmetic; silu(gate) rounded to the activation dtype first, as the reference does
+        dtype = out_ptr.dtype.element_ty
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row * inter + cols, (act * up).to(dtype), mask=mask)
 
 
 def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from halfbyte.kernels.dispatch import use_triton
+
 
 @dataclass
 class AttentionMetadata:
@@ -20,6 +22,12 @@ class AttentionMetadata:
     seq_lens: list[int]  # [B] tokens in each sequence after this step (cached + new)
     block_tables: torch.Tensor  # [B, max_pages] int32 page ids, on the cache's device
     slot_mapping: torch.Tensor  # [T] int64 flat cache slot (page * page_size + offset) per new token
+    seq_lens_tensor: torch.Tensor | None = None  # [B] int32 on the device, made once per step
+
+    def device_seq_lens(self) -> torch.Tensor:
+        if self.seq_lens_tensor is None:
+            self.seq_lens_tensor = torch.tensor(self.seq_lens, dtype=torch.int32, device=self.block_tables.device)
+        return self.seq_lens_tensor
 
     @property
     def num_seqs(self) -> int:
@@ -82,4 +90,14 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
+    page_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    if (
+        use_triton(q) and meta.is_decode and sliding_window is None
+        and page_size >= 16 and head_dim & (head_dim - 1) == 0
+    ):
+        from halfbyte.kernels.decode_attention import decode_attention_triton
+
+        return decode_attention_triton(
+            q, k_cache, v_cache, meta.block_tables, meta.device_seq_lens(), scale, max(meta.seq_lens)
+        )
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)

@@ -35,14 +35,16 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        # arithmetic in fp32, rounded to the activation dtype where the reference rounds
+        dtype = x_ptr.dtype.element_ty
+        xf = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            # round the sum to the activation dtype first, as the reference's `x + residual` does
-            x = x + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
-            tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
-        xf = x.to(tl.float32)
+            r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            summed = (xf + r).to(dtype)
+            tl.store(res_out_ptr + row * n_cols + cols, summed, mask=mask)
+            xf = summed.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-        normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        normed = (xf * rstd).to(dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
