@@ -1,0 +1,115 @@
+"""y = x @ dequant(W)^T for one K-slice of a halfbyte quantized weight (docs/format.md).
+
+Layout: qweight int32 [K/32 * bits, N]; the 32 values of a (32-row block, column) form a
+little-endian bitstream over `bits` consecutive words of that column. scales, mins fp16
+[ceil(K / group_size), N]; W[n, k] = q * scales[k // g, n] + mins[k // g, n].
+
+The Triton kernel dequantizes [BLOCK_K, BLOCK_N] tiles in registers and multiplies them with
+tl.dot (M padded to 16), splitting K across programs and summing the fp32 partials after."""
+
+from __future__ import annotations
+
+import torch
+
+from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
+
+
+def unpack_ref(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """int32 [K/32*bits, N] -> int32 [N, K] values in [0, 2^bits)."""
+    n = qweight.shape[1]
+    words = qweight.view(k // 32, bits, n).to(torch.int64) & 0xFFFFFFFF  # unsigned
+    # the block's bitstream as one integer per column would overflow; read value by value
+    out = torch.empty(k // 32, 32, n, dtype=torch.int64, device=qweight.device)
+    mask = (1 << bits) - 1
+    for i in range(32):
+        word, shift = divmod(i * bits, 32)
+        v = words[:, word] >> shift
+        if shift + bits > 32:
+            v = v | (words[:, word + 1] << (32 - shift))
+        out[:, i] = v & mask
+    return out.reshape(k, n).t().to(torch.int32)
+
+
+def dequantize_ref(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int, k: int
+) -> torch.Tensor:
+    """fp32 [N, K]."""
+    q = unpack_ref(qweight, bits, k).float()
+    group = torch.arange(k, device=q.device) // group_size
+    return q * scales.float().t()[:, group] + mins.float().t()[:, group]
+
+
+def quant_matmul_ref(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int
+) -> torch.Tensor:
+    """x [M, K] -> fp32 [M, N]."""
+    w = dequantize_ref(qweight, scales, mins, bits, group_size, x.shape[1])
+    return x.float() @ w.t()
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _quant_matmul_kernel(
+        x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr,
+        M, N, K, stride_xm, k_per_split,
+        BITS: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_mask = rn < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            kk = k0 + rk  # [BLOCK_K]
+            k_mask = kk < k_end
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & k_mask[None, :], other=0.0)
+            # where each k's bits are: word row and shift inside its 32-value block
+            bit = (kk % 32) * BITS
+            row = (kk // 32) * BITS + bit // 32
+            shift = (bit % 32).to(tl.uint32)
+            ptrs = qw_ptr + row[:, None].to(tl.int64) * N + rn[None, :]
+            mask2 = k_mask[:, None] & n_mask[None, :]
+            words = tl.load(ptrs, mask=mask2, other=0).to(tl.uint32)
+            q = words >> shift[:, None]
+            if 32 % BITS != 0:  # 3, 5, 6 bits: a value may continue in the next word
+                spill = (shift + BITS > 32) & k_mask
+                nxt = tl.load(ptrs + N, mask=spill[:, None] & n_mask[None, :], other=0).to(tl.uint32)
+                q = q | tl.where(spill[:, None], nxt << (32 - shift)[:, None], 0)
+            q = (q & ((1 << BITS) - 1)).to(tl.float32)
+            g = kk // GROUP
+            s = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=mask2, other=0.0).to(tl.float32)
+            mn = tl.load(mins_ptr + g[:, None] * N + rn[None, :], mask=mask2, other=0.0).to(tl.float32)
+            w = (q * s + mn).to(x_ptr.dtype.element_ty)
+            acc += tl.dot(x, w)
+        out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
+        tl.store(out, acc, mask=(rm < M)[:, None] & n_mask[None, :])
+
+
+def quant_matmul_triton(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int,
+    split_k: int | None = None, block_n: int = 64, block_k: int = 64,
+) -> torch.Tensor:
+    """x [M, K] fp16/bf16 -> fp32 [M, N]."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = qweight.shape[1]
+    block_m = 16
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if split_k is None:  # enough programs to fill ~2 waves of 132 SMs, whole BLOCK_Ks each
+        split_k = max(1, min(triton.cdiv(k, block_k), 264 // max(1, tiles)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    _quant_matmul_kernel[grid](
+        x, qweight, scales, mins, partial, m, n, k, x.stride(0), k_per_split,
+        BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return partial.sum(0) if split_k > 1 else partial[0]
