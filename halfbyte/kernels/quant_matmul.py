@@ -94,7 +94,7 @@ if HAS_TRITON:
 
 def quant_matmul_triton(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int,
-    split_k: int | None = None, block_n: int = 64, block_k: int = 64,
+    split_k: int | None = None, block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:
     """x [M, K] fp16/bf16 -> fp32 [M, N]."""
     x = x.contiguous()
@@ -111,5 +111,6 @@ def quant_matmul_triton(
     _quant_matmul_kernel[grid](
         x, qweight, scales, mins, partial, m, n, k, x.stride(0), k_per_split,
         BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return partial.sum(0) if split_k > 1 else partial[0]

@@ -1,0 +1,119 @@
+"""Quantized GEMV/GEMM speed on the GPU: GB/s of packed weights + scales + mins moved, against
+the measured device-to-device copy bandwidth, for Llama-3-8B and 70B layer shapes.
+
+Usage: python bench/gemv.py [--bits 4] [--group 128] [--sweep] [--json OUT]"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from halfbyte.kernels.quant_matmul import quant_matmul_ref, quant_matmul_triton  # noqa: E402
+
+SHAPES = {  # name: (N out, K in)
+    "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
+    "70b.qkv": (10240, 8192), "70b.o": (8192, 8192), "70b.gate_up": (57344, 8192), "70b.down": (8192, 28672),
+}
+
+
+def graph_time(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per call, replayed from a CUDA graph of `reps` calls (no launch overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000 / reps)
+    return best
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = graph_time(lambda: b.copy_(a), reps=10)
+    return 2 * a.numel() / t / 1e9
+
+
+def make_weight(n: int, k: int, bits: int, group: int):  # type: ignore[no-untyped-def]
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 32 * bits, n), dtype=torch.int32, device="cuda")
+    groups = -(-k // group)
+    scales = (torch.rand(groups, n, device="cuda") * 0.02).half()
+    mins = (-torch.rand(groups, n, device="cuda") * 0.1).half()
+    return qweight, scales, mins
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--sweep", action="store_true", help="try tile / split / warp settings per shape")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    copy_gbs = copy_bandwidth()
+    rows = []
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        qw, sc, mn = make_weight(n, k, args.bits, args.group)
+        nbytes = qw.numel() * 4 + sc.numel() * 2 + mn.numel() * 2
+        x1 = torch.randn(1, k, device="cuda", dtype=torch.float16)
+        x16 = torch.randn(16, k, device="cuda", dtype=torch.float16)
+        ref = quant_matmul_ref(x16[:4], qw, sc, mn, args.bits, args.group)
+        configs = [dict()]
+        if args.sweep:
+            configs = [
+                dict(block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=st)
+                for bn, bk, sk, w, st in itertools.product((32, 64, 128), (64, 128, 256), (None, 4, 8, 16), (4, 8), (2, 3, 4))
+            ]
+        best = None
+        for cfg in configs:
+            try:
+                out = quant_matmul_triton(x16[:4], qw, sc, mn, args.bits, args.group, **cfg)
+                err = ((out - ref).norm() / ref.norm()).item()
+                if err > 1e-3:
+                    continue
+                t1 = graph_time(lambda: quant_matmul_triton(x1, qw, sc, mn, args.bits, args.group, **cfg))
+            except Exception as e:  # a config that does not compile (registers, shared memory)
+                print(f"  {name} {cfg}: {type(e).__name__}", file=sys.stderr)
+                continue
+            if best is None or t1 < best[1]:
+                best = (cfg, t1, err)
+        assert best is not None, name
+        cfg, t1, err = best
+        t16 = graph_time(lambda: quant_matmul_triton(x16, qw, sc, mn, args.bits, args.group, **cfg))
+        w16 = torch.randn(n, k, device="cuda", dtype=torch.float16)
+        t_fp16 = graph_time(lambda: torch.nn.functional.linear(x1, w16))
+        del w16
+        rows.append(dict(shape=name, n=n, k=k, bytes=nbytes, t1_us=t1 * 1e6, gbs=nbytes / t1 / 1e9,
+                         pct_copy=100 * nbytes / t1 / 1e9 / copy_gbs, t16_over_t1=t16 / t1,
+                         fp16_linear_us=t_fp16 * 1e6, rel_err=err, config=cfg))
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, bits=args.bits,
+                  group=args.group, copy_gbs=copy_gbs, rows=rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s; {args.bits}-bit g{args.group}; {result['device']}")
+    print(f"{'shape':<12}{'us b1':>8}{'GB/s':>8}{'%copy':>7}{'b16/b1':>8}{'fp16 us':>9}  config")
+    for r in rows:
+        print(f"{r['shape']:<12}{r['t1_us']:>8.1f}{r['gbs']:>8.0f}{r['pct_copy']:>7.1f}{r['t16_over_t1']:>8.2f}"
+              f"{r['fp16_linear_us']:>9.1f}  {r['config']}")
+
+
+if __name__ == "__main__":
+    main()
