@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-
 from halfbyte.kernels.dispatch import use_triton
 
 
@@ -71,13 +69,21 @@ def paged_attention_ref(
         pages = meta.block_tables[b, : (seq_len + page_size - 1) // page_size]
         k = _gather_pages(k_cache, pages, seq_len).float().transpose(0, 1)  # [Hkv, L, D]
         v = _gather_pages(v_cache, pages, seq_len).float().transpose(0, 1)
-        qb = q[q0:q1].float().transpose(0, 1)  # [Hq, n, D]
-        q_pos = torch.arange(seq_len - n_new, seq_len, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-        mask = k_pos <= q_pos
-        if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        num_kv = k.shape[0]
+        group = q.shape[1] // num_kv
+        # [Hq, n, D] -> [Hkv, group * n, D]: each KV head serves its group in one matmul
+        qb = q[q0:q1].float().transpose(0, 1).reshape(num_kv, group * n_new, -1)
+        scores = torch.matmul(qb, k.transpose(1, 2)).mul_(scale).view(num_kv, group, n_new, seq_len)
+        windowed = sliding_window is not None and seq_len > sliding_window
+        if n_new > 1 or windowed:  # a decode token sees its whole context: no mask needed
+            q_pos = torch.arange(seq_len - n_new, seq_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            scores.masked_fill_(~mask, float("-inf"))
+        probs = scores.softmax(dim=-1).view(num_kv, group * n_new, seq_len)
+        o = torch.matmul(probs, v).view(num_kv * group, n_new, -1)
         out[q0:q1] = o.transpose(0, 1).to(q.dtype)
     return out
 

@@ -53,6 +53,9 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not archs:  # some exporters write only model_type
+            by_type = {family: a for a, family in SUPPORTED_ARCHITECTURES.items()}
+            arch = by_type.get(cfg.get("model_type", ""))
         if arch is None:
             name = archs[0] if archs else cfg.get("model_type", "<none>")
             raise UnsupportedModelError(

@@ -33,6 +33,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.transposed:
-            y = x @ self.weight
-            return y + self.bias if self.bias is not None else y
+            if self.bias is not None:
+                return torch.addmm(self.bias, x, self.weight)
+            return torch.mm(x, self.weight)
         return F.linear(x, self.weight, self.bias)
