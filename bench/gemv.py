@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from halfbyte.kernels.quant_matmul import quant_matmul_ref, quant_matmul_triton  # noqa: E402
+from halfbyte.kernels.quant_matmul import gemv_triton, quant_matmul_ref, quant_matmul_triton  # noqa: E402
 
 SHAPES = {  # name: (N out, K in)
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -45,10 +45,10 @@ def graph_time(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
 
 
 def copy_bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    a = torch.empty(1 << 29, dtype=torch.float32, device="cuda")  # 2 GiB: far past the 60 MB L2
     b = torch.empty_like(a)
     t = graph_time(lambda: b.copy_(a), reps=10)
-    return 2 * a.numel() / t / 1e9
+    return 2 * a.numel() * 4 / t / 1e9
 
 
 def make_weight(n: int, k: int, bits: int, group: int):  # type: ignore[no-untyped-def]
@@ -75,35 +75,48 @@ def main() -> None:
         nbytes = qw.numel() * 4 + sc.numel() * 2 + mn.numel() * 2
         x1 = torch.randn(1, k, device="cuda", dtype=torch.float16)
         x16 = torch.randn(16, k, device="cuda", dtype=torch.float16)
-        ref = quant_matmul_ref(x16[:4], qw, sc, mn, args.bits, args.group)
-        configs = [dict()]
-        if args.sweep:
-            configs = [
-                dict(block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=st)
-                for bn, bk, sk, w, st in itertools.product((32, 64, 128), (64, 128, 256), (None, 4, 8, 16), (4, 8), (2, 3, 4))
-            ]
-        best = None
-        for cfg in configs:
-            try:
-                out = quant_matmul_triton(x16[:4], qw, sc, mn, args.bits, args.group, **cfg)
-                err = ((out - ref).norm() / ref.norm()).item()
-                if err > 1e-3:
+        ref1 = quant_matmul_ref(x1, qw, sc, mn, args.bits, args.group)
+        ref16 = quant_matmul_ref(x16, qw, sc, mn, args.bits, args.group)
+        use_gemv = 32 % args.bits == 0
+        if use_gemv:
+            fn1 = gemv_triton
+            grid1 = [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st)
+                     for bn, kw, sk, w, st in itertools.product((128, 256, 512), (8, 16, 32), (None, 8), (4, 8), (2, 4))]
+        else:
+            fn1 = quant_matmul_triton
+            grid1 = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+                     for bn, bk, w, st in itertools.product((64, 128), (64, 128), (4, 8), (3,))]
+        grid16 = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+                  for bn, bk, w, st in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
+        if not args.sweep:
+            grid1, grid16 = grid1[:1], grid16[:1]
+
+        def pick(fn, grid, x, ref):  # type: ignore[no-untyped-def]
+            best = None
+            for cfg in grid:
+                try:
+                    out = fn(x, qw, sc, mn, args.bits, args.group, **cfg)
+                    err = ((out - ref).norm() / ref.norm()).item()
+                    if not err <= 1e-3:
+                        print(f"  {name} {cfg}: rel err {err:.2e}", file=sys.stderr)
+                        continue
+                    t = graph_time(lambda: fn(x, qw, sc, mn, args.bits, args.group, **cfg))
+                except Exception as e:  # a config that does not compile (registers, shared memory)
+                    print(f"  {name} {cfg}: {type(e).__name__} {str(e)[:200]}", file=sys.stderr)
                     continue
-                t1 = graph_time(lambda: quant_matmul_triton(x1, qw, sc, mn, args.bits, args.group, **cfg))
-            except Exception as e:  # a config that does not compile (registers, shared memory)
-                print(f"  {name} {cfg}: {type(e).__name__}", file=sys.stderr)
-                continue
-            if best is None or t1 < best[1]:
-                best = (cfg, t1, err)
-        assert best is not None, name
-        cfg, t1, err = best
-        t16 = graph_time(lambda: quant_matmul_triton(x16, qw, sc, mn, args.bits, args.group, **cfg))
+                if best is None or t < best[1]:
+                    best = (cfg, t, err)
+            assert best is not None, name
+            return best
+
+        cfg, t1, err = pick(fn1, grid1, x1, ref1)
+        cfg16, t16, err16 = pick(quant_matmul_triton, grid16, x16, ref16)
         w16 = torch.randn(n, k, device="cuda", dtype=torch.float16)
         t_fp16 = graph_time(lambda: torch.nn.functional.linear(x1, w16))
         del w16
         rows.append(dict(shape=name, n=n, k=k, bytes=nbytes, t1_us=t1 * 1e6, gbs=nbytes / t1 / 1e9,
                          pct_copy=100 * nbytes / t1 / 1e9 / copy_gbs, t16_over_t1=t16 / t1,
-                         fp16_linear_us=t_fp16 * 1e6, rel_err=err, config=cfg))
+                         fp16_linear_us=t_fp16 * 1e6, rel_err=max(err, err16), config=cfg, config16=cfg16))
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, bits=args.bits,
                   group=args.group, copy_gbs=copy_gbs, rows=rows)
     if args.json:

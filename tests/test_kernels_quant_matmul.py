@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from halfbyte.kernels.quant_matmul import quant_matmul_ref, quant_matmul_triton
+from halfbyte.kernels.quant_matmul import gemv_triton, quant_matmul_ref, quant_matmul_triton
 from tests.kernel_testing import DEVICE, rel_err
 
 
@@ -28,3 +28,14 @@ def test_quant_matmul(bits: int, m: int, n: int, k: int, group: int) -> None:
     for split_k in (1, 3, None):
         out = quant_matmul_triton(x, qweight, scales, mins, bits, group, split_k=split_k)
         assert rel_err(out, ref) <= 1e-3, (split_k, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n,k,group", [(96, 576, 128), (300, 1536, 32), (64, 4096, 64)])
+def test_gemv(bits: int, n: int, k: int, group: int) -> None:
+    qweight, scales, mins = random_packed(n, k, bits, group, seed=bits * 7 + n)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).half().to(DEVICE)
+    ref = quant_matmul_ref(x, qweight, scales, mins, bits, group)
+    for split_k, block_n, block_kw in ((1, 64, 4), (3, 128, 8), (None, 256, 16)):
+        out = gemv_triton(x, qweight, scales, mins, bits, group, split_k=split_k, block_n=block_n, block_kw=block_kw)
+        assert rel_err(out, ref) <= 1e-3, (split_k, block_n, rel_err(out, ref))

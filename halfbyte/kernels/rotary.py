@@ -66,21 +66,21 @@ if HAS_TRITON:
             src = q_ptr + t * stride_qt + h * stride_qh
             x1 = tl.load(src + offs).to(tl.float32)
             x2 = tl.load(src + HALF + offs).to(tl.float32)
-            dst = q_out_ptr + (t * num_q_heads + h) * 2 * HALF
-            tl.store(dst + offs, (x1 * c1 - x2 * s1).to(q_out_ptr.dtype.element_ty))
-            tl.store(dst + HALF + offs, (x2 * c2 + x1 * s2).to(q_out_ptr.dtype.element_ty))
+            q_dst = q_out_ptr + (t * num_q_heads + h) * 2 * HALF
+            tl.store(q_dst + offs, (x1 * c1 - x2 * s1).to(q_out_ptr.dtype.element_ty))
+            tl.store(q_dst + HALF + offs, (x2 * c2 + x1 * s2).to(q_out_ptr.dtype.element_ty))
         else:
             kh = h - num_q_heads
             slot = tl.load(slot_ptr + t).to(tl.int64)
-            dst = (slot * num_kv_heads + kh) * 2 * HALF
+            kv_dst = (slot * num_kv_heads + kh) * 2 * HALF
             src = k_ptr + t * stride_kt + kh * stride_kh
             x1 = tl.load(src + offs).to(tl.float32)
             x2 = tl.load(src + HALF + offs).to(tl.float32)
-            tl.store(kc_ptr + dst + offs, (x1 * c1 - x2 * s1).to(kc_ptr.dtype.element_ty))
-            tl.store(kc_ptr + dst + HALF + offs, (x2 * c2 + x1 * s2).to(kc_ptr.dtype.element_ty))
+            tl.store(kc_ptr + kv_dst + offs, (x1 * c1 - x2 * s1).to(kc_ptr.dtype.element_ty))
+            tl.store(kc_ptr + kv_dst + HALF + offs, (x2 * c2 + x1 * s2).to(kc_ptr.dtype.element_ty))
             vsrc = v_ptr + t * stride_vt + kh * stride_vh
-            tl.store(vc_ptr + dst + offs, tl.load(vsrc + offs).to(vc_ptr.dtype.element_ty))
-            tl.store(vc_ptr + dst + HALF + offs, tl.load(vsrc + HALF + offs).to(vc_ptr.dtype.element_ty))
+            tl.store(vc_ptr + kv_dst + offs, tl.load(vsrc + offs).to(vc_ptr.dtype.element_ty))
+            tl.store(vc_ptr + kv_dst + HALF + offs, tl.load(vsrc + HALF + offs).to(vc_ptr.dtype.element_ty))
 
 
 def rope_and_store_triton(
