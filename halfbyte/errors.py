@@ -23,3 +23,7 @@ class InvalidParameterError(HalfbyteError):
 
 class PromptTooLongError(HalfbyteError):
     """The prompt does not fit the context window."""
+
+
+class QuantizationError(HalfbyteError):
+    """A quantized weight is malformed, or quantizing a weight failed (bad Hessian, bad bits)."""

@@ -1,0 +1,152 @@
+"""GPTQ (Frantar et al., 2022): quantize W column by column, pushing each column's rounding
+error onto the columns not yet quantized through the inverse Hessian of the layer's inputs.
+
+Pure tensor math in float32 on w's device; the caller collects the Hessian with
+HessianAccumulator from calibration activations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from halfbyte.errors import QuantizationError
+from halfbyte.quant.packing import BLOCK_K, check_bits
+from halfbyte.quant.qtensor import QuantSlice, QuantWeight
+from halfbyte.quant.rtn import check_group_size, dequantize_values, group_params, quantize_values
+
+_DAMP_RETRIES = 4  # each retry multiplies the damping by 10
+
+
+class HessianAccumulator:
+    """H = 2 X^T X / n over every row x of every batch, kept as a running mean so that it never
+    grows with the token count (large sums of squares lose precision in float32)."""
+
+    def __init__(self, in_features: int, device: torch.device | str | None = None) -> None:
+        self.in_features = in_features
+        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)  # [K, K]
+        self.num_samples = 0
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        """x [..., K]: every leading index is one sample (token)."""
+        if x.shape[-1] != self.in_features:
+            raise QuantizationError(f"Hessian expects {self.in_features} features, got {x.shape[-1]}")
+        x = x.reshape(-1, self.in_features).to(device=self.hessian.device, dtype=torch.float32)
+        n = x.shape[0]
+        if n == 0:
+            return
+        total = self.num_samples + n
+        self.hessian *= self.num_samples / total
+        x = x * math.sqrt(2.0 / total)
+        self.hessian.addmm_(x.t(), x)
+        self.num_samples = total
+
+
+def _inverse_cholesky_upper(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor U of (H + damp * mean(diag H) * I)^-1, with U^T U = H^-1; retries
+    with 10x more damping when H is not positive definite."""
+    k = h.shape[0]
+    mean_diag = float(torch.diag(h).mean())
+    eye = torch.eye(k, dtype=h.dtype, device=h.device)
+    for attempt in range(_DAMP_RETRIES + 1):
+        d = damp * 10**attempt
+        lower, info = torch.linalg.cholesky_ex(h + d * mean_diag * eye)
+        if int(info) != 0:
+            continue
+        hinv = torch.cholesky_inverse(lower)
+        upper, info = torch.linalg.cholesky_ex(hinv, upper=True)
+        if int(info) == 0 and bool(torch.isfinite(upper).all()):
+            return upper
+    raise QuantizationError(
+        f"Hessian is not positive definite even with damping {damp * 10**_DAMP_RETRIES:g}; "
+        "calibrate with more (or more varied) tokens"
+    )
+
+
+def gptq_quantize(
+    w: torch.Tensor,
+    hessian: torch.Tensor,
+    bits: int,
+    group_size: int,
+    *,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+    symmetric: bool = False,
+) -> tuple[QuantWeight, float]:
+    """Quantize w [N, K] given H [K, K] = 2 X^T X / n.
+
+    Returns the QuantWeight (perm set when act_order) and the proxy loss
+    0.5 * sum_n (w_n - wq_n) H (w_n - wq_n)^T with the undamped H as given, which for H from
+    HessianAccumulator equals ||X W^T - X Wq^T||_F^2 / n: the mean over tokens of the squared
+    output error summed over output features.
+    """
+    check_bits(bits)
+    if w.dim() != 2:
+        raise QuantizationError(f"expected a weight [N, K], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    if k % BLOCK_K:
+        raise QuantizationError(f"K = {k} is not a multiple of {BLOCK_K}; pad the weight first")
+    check_group_size(group_size, k)
+    if tuple(hessian.shape) != (k, k):
+        raise QuantizationError(f"Hessian must be [{k}, {k}], got {list(hessian.shape)}")
+    if block_size <= 0:
+        raise QuantizationError(f"block_size must be positive, got {block_size}")
+    if not bool(torch.isfinite(w).all()) or not bool(torch.isfinite(hessian).all()):
+        raise QuantizationError("weight or Hessian contains NaN or infinity")
+
+    h_orig = hessian.to(device=w.device, dtype=torch.float32)
+    h = h_orig.clone()
+    weight = w.float().clone()  # [N, K]; becomes the error-updated weight, in stored order
+
+    # A dead input (never nonzero in calibration) never affects the output: zero its weights so
+    # they do not widen their group's range, and give it a unit diagonal so H stays invertible.
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    weight[:, dead] = 0.0
+
+    perm: torch.Tensor | None = None
+    if act_order:
+        # Columns with the largest input energy first, while most columns can absorb their error
+        perm = torch.argsort(torch.diag(h), descending=True, stable=True)
+        weight = weight[:, perm]
+        h = h[perm][:, perm]
+
+    hinv = _inverse_cholesky_upper(h, damp)  # [K, K] upper
+
+    num_groups = math.ceil(k / group_size)
+    q = torch.empty(n, k, dtype=torch.int32, device=w.device)
+    scales = torch.empty(num_groups, n, dtype=torch.float32, device=w.device)
+    mins = torch.empty_like(scales)
+    scale = mn = torch.empty(0)
+
+    for b0 in range(0, k, block_size):
+        b1 = min(b0 + block_size, k)
+        block = weight[:, b0:b1].clone()  # [N, B], updated column by column
+        err = torch.empty_like(block)  # [N, B] scaled errors, applied lazily to columns >= b1
+        hinv_block = hinv[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            col = b0 + i
+            if col % group_size == 0:
+                # group params from the columns as updated so far (inside and beyond this block)
+                g_end = min(col + group_size, k)
+                cols = block[:, i : min(g_end, b1) - b0]
+                if g_end > b1:
+                    cols = torch.cat([cols, weight[:, b1:g_end]], dim=1)
+                scale, mn = group_params(cols, bits, symmetric)
+                scales[col // group_size], mins[col // group_size] = scale, mn
+            wcol = block[:, i]
+            qcol = quantize_values(wcol, scale, mn, bits)
+            q[:, col] = qcol
+            e = (wcol - dequantize_values(qcol, scale, mn)) / hinv_block[i, i]
+            block[:, i:] -= e[:, None] * hinv_block[i, i:][None, :]
+            err[:, i] = e
+        weight[:, b1:] -= err @ hinv[b0:b1, b1:]
+
+    slice_ = QuantSlice.from_values(0, bits, group_size, q, scales.half(), mins.half())
+    qw = QuantWeight(n, k, [slice_], perm.to(torch.int32) if perm is not None else None)
+
+    delta = w.float() - qw.dequantize()  # [N, K] in original order, like h_orig
+    loss = 0.5 * float(((delta @ h_orig) * delta).sum())
+    return qw, loss

@@ -1,0 +1,286 @@
+"""QuantWeight: one quantized linear weight in the halfbyte format, and its torch reference.
+
+`dequantize` and `matmul` here define what the stored tensors mean; GPU kernels are tested
+against them. Layout and key names are specified in docs/format.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from halfbyte.errors import QuantizationError
+from halfbyte.quant.packing import BLOCK_K, check_bits, pack, packed_rows, unpack
+
+ALLOWED_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
+FORMAT_VERSION = 1
+
+
+@dataclass
+class QuantSlice:
+    """Columns k_start..k_end of W in stored (permuted) order, all with one bits/group size.
+
+    Groups are counted from k_start: value k of the slice uses group (k - k_start) // group_size.
+    """
+
+    k_start: int
+    k_end: int
+    bits: int
+    group_size: int
+    qweight: torch.Tensor  # int32 [(k_end - k_start) / 32 * bits, N]
+    scales: torch.Tensor  # float16 [num_groups, N]
+    mins: torch.Tensor  # float16 [num_groups, N]
+
+    @property
+    def width(self) -> int:
+        return self.k_end - self.k_start
+
+    @property
+    def num_groups(self) -> int:
+        return math.ceil(self.width / self.group_size)
+
+    @classmethod
+    def from_values(
+        cls, k_start: int, bits: int, group_size: int, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+    ) -> QuantSlice:
+        """Pack q [N, width] with its fp16 scales/mins [num_groups, N]."""
+        return cls(k_start, k_start + q.shape[1], bits, group_size, pack(q, bits), scales, mins)
+
+    def validate(self, out_features: int, where: str = "slice") -> None:
+        """Raise QuantizationError naming `where` if any field disagrees with the format."""
+        check_bits(self.bits, where)
+        if self.k_start < 0 or self.k_end <= self.k_start:
+            raise QuantizationError(f"{where}: empty or negative k range [{self.k_start}, {self.k_end})")
+        if self.k_start % BLOCK_K or self.width % BLOCK_K:
+            raise QuantizationError(
+                f"{where}: k range [{self.k_start}, {self.k_end}) must start and end on multiples of {BLOCK_K}"
+            )
+        gs = self.group_size
+        if gs not in ALLOWED_GROUP_SIZES and gs != self.width:
+            raise QuantizationError(
+                f"{where}: group size {gs} not allowed; expected one of {ALLOWED_GROUP_SIZES} "
+                f"or the slice width {self.width} (per-channel)"
+            )
+        expect_q = (packed_rows(self.width, self.bits), out_features)
+        if self.qweight.dtype != torch.int32 or tuple(self.qweight.shape) != expect_q:
+            raise QuantizationError(
+                f"{where}: qweight must be int32 {list(expect_q)}, "
+                f"got {self.qweight.dtype} {list(self.qweight.shape)}"
+            )
+        expect_s = (self.num_groups, out_features)
+        for name, t in (("scales", self.scales), ("mins", self.mins)):
+            if t.dtype != torch.float16 or tuple(t.shape) != expect_s:
+                raise QuantizationError(
+                    f"{where}: {name} must be float16 {list(expect_s)}, got {t.dtype} {list(t.shape)}"
+                )
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, width]: q * scales[g] + mins[g], computed in float32."""
+        q = unpack(self.qweight, self.bits, self.width).float()  # [N, width]
+        group = torch.arange(self.width, device=q.device) // self.group_size
+        return q * self.scales.float().t()[:, group] + self.mins.float().t()[:, group]
+
+    def storage_bits(self) -> int:
+        return self.qweight.numel() * 32 + self.scales.numel() * 16 + self.mins.numel() * 16
+
+    def meta(self) -> dict[str, int]:
+        return {"k_start": self.k_start, "k_end": self.k_end, "bits": self.bits, "group_size": self.group_size}
+
+
+@dataclass
+class QuantWeight:
+    """A quantized [out_features, in_features] weight: K-slices of possibly different bits, and an
+    optional act-order permutation (stored column j is original column perm[j])."""
+
+    out_features: int
+    in_features: int
+    slices: list[QuantSlice]
+    perm: torch.Tensor | None = None  # int32 [K]
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, where: str = "weight") -> None:
+        if self.out_features <= 0 or self.in_features <= 0:
+            raise QuantizationError(f"{where}: bad shape [{self.out_features}, {self.in_features}]")
+        if not self.slices:
+            raise QuantizationError(f"{where}: no slices")
+        k = 0
+        for i, s in enumerate(self.slices):
+            if s.k_start != k:
+                raise QuantizationError(
+                    f"{where}: slice {i} starts at {s.k_start}, expected {k} (slices must tile K)"
+                )
+            s.validate(self.out_features, f"{where} slice {i}")
+            k = s.k_end
+        if k != self.in_features:
+            raise QuantizationError(f"{where}: slices cover K = {k}, in_features is {self.in_features}")
+        if self.perm is not None:
+            p = self.perm
+            if p.dtype != torch.int32 or tuple(p.shape) != (self.in_features,):
+                raise QuantizationError(
+                    f"{where}: perm must be int32 [{self.in_features}], got {p.dtype} {list(p.shape)}"
+                )
+            if p.numel() and (
+                int(p.min()) < 0
+                or int(p.max()) >= self.in_features
+                or not bool((torch.bincount(p.long(), minlength=self.in_features) == 1).all())
+            ):
+                raise QuantizationError(f"{where}: perm is not a permutation of 0..{self.in_features - 1}")
+
+    # --- the reference meaning --------------------------------------------------------------
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in the ORIGINAL column order (the permutation undone)."""
+        stored = torch.cat([s.dequantize() for s in self.slices], dim=1)  # [N, K], stored order
+        if self.perm is None:
+            return stored.to(dtype)
+        w = torch.empty_like(stored)
+        w[:, self.perm.long()] = stored
+        return w.to(dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ W^T -> [..., N] in x's dtype; the kernels' way: permute x, one matmul per
+        slice, float32 accumulation."""
+        if x.shape[-1] != self.in_features:
+            raise QuantizationError(f"matmul: x has {x.shape[-1]} features, weight expects {self.in_features}")
+        xf = x.float()
+        if self.perm is not None:
+            xf = xf[..., self.perm.long()]
+        y = torch.zeros(*x.shape[:-1], self.out_features, dtype=torch.float32, device=x.device)
+        for s in self.slices:
+            y += xf[..., s.k_start : s.k_end] @ s.dequantize().t()
+        return y.to(x.dtype)
+
+    # --- accounting ---------------------------------------------------------------------------
+
+    def storage_bits(self) -> int:
+        """Every stored bit: packed words, fp16 scales and mins, and the int32 perm if present."""
+        perm_bits = self.perm.numel() * 32 if self.perm is not None else 0
+        return sum(s.storage_bits() for s in self.slices) + perm_bits
+
+    def bits_per_weight(self) -> float:
+        return self.storage_bits() / (self.out_features * self.in_features)
+
+    # --- serialisation ------------------------------------------------------------------------
+
+    def to_state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Tensors under `{prefix}.qweight.{i}`, `.scales.{i}`, `.mins.{i}` (i = slice), `.perm`."""
+        out: dict[str, torch.Tensor] = {}
+        for i, s in enumerate(self.slices):
+            out[f"{prefix}.qweight.{i}"] = s.qweight
+            out[f"{prefix}.scales.{i}"] = s.scales
+            out[f"{prefix}.mins.{i}"] = s.mins
+        if self.perm is not None:
+            out[f"{prefix}.perm"] = self.perm
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        """JSON-able per-layer entry of config.json's `quantization.layers`."""
+        return {
+            "out_features": self.out_features,
+            "in_features": self.in_features,
+            "act_order": self.perm is not None,
+            "slices": [s.meta() for s in self.slices],
+        }
+
+    @classmethod
+    def from_state_dict(
+        cls, prefix: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+    ) -> QuantWeight:
+        """Rebuild from `to_state_dict` tensors and `meta()`; every mismatch is a QuantizationError
+        naming the layer."""
+        if not isinstance(meta, dict):
+            raise QuantizationError(f"{prefix}: quantization metadata must be an object, got {type(meta).__name__}")
+        n = _meta_int(meta, "out_features", prefix)
+        k = _meta_int(meta, "in_features", prefix)
+        slice_metas = meta.get("slices")
+        if not isinstance(slice_metas, list) or not slice_metas:
+            raise QuantizationError(f"{prefix}: metadata 'slices' must be a non-empty list")
+
+        def get(key: str) -> torch.Tensor:
+            if key not in tensors:
+                raise QuantizationError(f"{prefix}: missing tensor {key!r}")
+            return tensors[key]
+
+        slices = []
+        for i, sm in enumerate(slice_metas):
+            where = f"{prefix} slice {i}"
+            if not isinstance(sm, dict):
+                raise QuantizationError(f"{where}: metadata must be an object")
+            slices.append(
+                QuantSlice(
+                    k_start=_meta_int(sm, "k_start", where),
+                    k_end=_meta_int(sm, "k_end", where),
+                    bits=_meta_int(sm, "bits", where),
+                    group_size=_meta_int(sm, "group_size", where),
+                    qweight=get(f"{prefix}.qweight.{i}"),
+                    scales=get(f"{prefix}.scales.{i}"),
+                    mins=get(f"{prefix}.mins.{i}"),
+                )
+            )
+        act_order = meta.get("act_order", False)
+        if not isinstance(act_order, bool):
+            raise QuantizationError(f"{prefix}: metadata 'act_order' must be true or false")
+        perm = get(f"{prefix}.perm") if act_order else None
+        if not act_order and f"{prefix}.perm" in tensors:
+            raise QuantizationError(f"{prefix}: tensor {prefix}.perm present but act_order is false")
+        # bypass __post_init__ so that validation errors name this layer, not "weight"
+        w = cls.__new__(cls)
+        w.out_features, w.in_features, w.slices, w.perm = n, k, slices, perm
+        w.validate(prefix)
+        return w
+
+    def to(self, device: torch.device | str) -> QuantWeight:
+        slices = [
+            QuantSlice(
+                s.k_start, s.k_end, s.bits, s.group_size,
+                s.qweight.to(device), s.scales.to(device), s.mins.to(device),
+            )
+            for s in self.slices
+        ]
+        perm = self.perm.to(device) if self.perm is not None else None
+        return QuantWeight(self.out_features, self.in_features, slices, perm)
+
+
+def _meta_int(meta: dict[str, Any], key: str, where: str) -> int:
+    v = meta.get(key)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise QuantizationError(f"{where}: metadata {key!r} must be an integer, got {v!r}")
+    return v
+
+
+def concat_out(weights: list[QuantWeight]) -> QuantWeight:
+    """Fuse weights along out_features (q/k/v -> qkv, gate/up): they must share in_features,
+    slice boundaries, bits, group sizes and permutation."""
+    if not weights:
+        raise QuantizationError("concat_out: no weights")
+    first = weights[0]
+    for j, w in enumerate(weights[1:], start=1):
+        if w.in_features != first.in_features:
+            raise QuantizationError(
+                f"concat_out: weight {j} has in_features {w.in_features}, not {first.in_features}"
+            )
+        if [s.meta() for s in w.slices] != [s.meta() for s in first.slices]:
+            raise QuantizationError(f"concat_out: weight {j} has different slices (k ranges, bits or group size)")
+        same_perm = (w.perm is None and first.perm is None) or (
+            w.perm is not None and first.perm is not None and torch.equal(w.perm, first.perm)
+        )
+        if not same_perm:
+            raise QuantizationError(f"concat_out: weight {j} has a different act-order permutation")
+    slices = []
+    for i, s in enumerate(first.slices):
+        parts = [w.slices[i] for w in weights]
+        slices.append(
+            QuantSlice(
+                s.k_start, s.k_end, s.bits, s.group_size,
+                torch.cat([p.qweight for p in parts], dim=1),
+                torch.cat([p.scales for p in parts], dim=1),
+                torch.cat([p.mins for p in parts], dim=1),
+            )
+        )
+    out_features = sum(w.out_features for w in weights)
+    return QuantWeight(out_features, first.in_features, slices, first.perm)

@@ -1,0 +1,82 @@
+"""Round-to-nearest quantization: the baseline, and the per-group helpers GPTQ reuses.
+
+Scales and mins are rounded to float16 *before* the values are quantized with them, so that
+q * scale + min reproduces exactly what the stored fp16 tensors will give.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from halfbyte.errors import QuantizationError
+from halfbyte.quant.packing import BLOCK_K, check_bits
+from halfbyte.quant.qtensor import ALLOWED_GROUP_SIZES, QuantSlice, QuantWeight
+
+# Smallest scale kept: a constant group would otherwise give scale 0 and a division by zero;
+# 2^-24 is fp16's smallest subnormal, so the stored scale stays nonzero.
+_MIN_SCALE = 2.0**-24
+
+
+def check_group_size(group_size: int, k: int) -> None:
+    if group_size not in ALLOWED_GROUP_SIZES and group_size != k:
+        raise QuantizationError(
+            f"group size {group_size} not allowed; expected one of {ALLOWED_GROUP_SIZES} or K = {k} (per-channel)"
+        )
+
+
+def group_params(w: torch.Tensor, bits: int, symmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, min), each float32 [N] holding fp16-representable values, for the group of
+    columns w [N, G]. Asymmetric: the grid spans [min, max] of each row. Symmetric: a zero point
+    of 2^(bits-1) and a scale from max |w| (mins = -z * scale)."""
+    maxq = (1 << bits) - 1
+    w = w.float()
+    if symmetric:
+        amax = w.abs().amax(dim=1)
+        scale = (2 * amax / maxq).clamp_min(_MIN_SCALE).half().float()
+        # z is a power of two, so -z * scale is exact in fp16 as long as it does not overflow
+        mn = (-(1 << (bits - 1)) * scale).half().float()
+    else:
+        lo = w.amin(dim=1)
+        hi = w.amax(dim=1)
+        scale = ((hi - lo) / maxq).clamp_min(_MIN_SCALE).half().float()
+        mn = lo.half().float()
+    return scale, mn
+
+
+def quantize_values(w: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer values [N, G] (int32, in [0, 2^bits)) nearest to w [N, G] (or [N]) on the grid
+    q * scale + min of each row."""
+    maxq = (1 << bits) - 1
+    if w.dim() == 1:
+        return torch.clamp(torch.round((w.float() - mn) / scale), 0, maxq).to(torch.int32)
+    return torch.clamp(torch.round((w.float() - mn[:, None]) / scale[:, None]), 0, maxq).to(torch.int32)
+
+
+def dequantize_values(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """float32 q * scale + min, q of shape [N] or [N, G]."""
+    if q.dim() == 1:
+        return q.float() * scale + mn
+    return q.float() * scale[:, None] + mn[:, None]
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = False) -> QuantWeight:
+    """Round-to-nearest quantization of w [N, K] (K a multiple of 32) into one slice."""
+    check_bits(bits)
+    if w.dim() != 2:
+        raise QuantizationError(f"expected a weight [N, K], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    if k % BLOCK_K:
+        raise QuantizationError(f"K = {k} is not a multiple of {BLOCK_K}; pad the weight first")
+    check_group_size(group_size, k)
+    num_groups = math.ceil(k / group_size)
+    q = torch.empty(n, k, dtype=torch.int32, device=w.device)
+    scales = torch.empty(num_groups, n, dtype=torch.float16, device=w.device)
+    mins = torch.empty_like(scales)
+    for g in range(num_groups):
+        cols = slice(g * group_size, min((g + 1) * group_size, k))
+        scale, mn = group_params(w[:, cols], bits, symmetric)
+        q[:, cols] = quantize_values(w[:, cols], scale, mn, bits)
+        scales[g], mins[g] = scale.half(), mn.half()
+    return QuantWeight(n, k, [QuantSlice.from_values(0, bits, group_size, q, scales, mins)], None)
