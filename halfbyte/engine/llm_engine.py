@@ -15,10 +15,9 @@ from halfbyte.engine.runner import ModelRunner
 from halfbyte.engine.scheduler import Scheduler
 from halfbyte.engine.sequence import Sequence, SequenceStatus
 from halfbyte.errors import InvalidParameterError, PromptTooLongError
-from halfbyte.io.model_dir import read_json, read_optional_json, resolve_model_dir
-from halfbyte.io.tokenizer import Tokenizer
+from halfbyte.io.model_dir import read_optional_json
 from halfbyte.model.config import ModelConfig
-from halfbyte.model.loader import load_model
+from halfbyte.model.loader import load_pretrained
 from halfbyte.model.rope import RopeScaling
 from halfbyte.sampling_params import SamplingParams
 
@@ -48,17 +47,13 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model_dir = resolve_model_dir(model)
-        hf_config = read_json(self.model_dir / "config.json")
-        model_cfg = ModelConfig.from_hf(hf_config)
-        if rope_scaling is not None:
-            scaling = RopeScaling.parse(rope_scaling) if isinstance(rope_scaling, str) else rope_scaling
-            model_cfg = model_cfg.with_rope_scaling(scaling)
-        self.model_config = model_cfg
-        self.tokenizer = Tokenizer(self.model_dir)
+        loaded = load_pretrained(model, self.dtype, self.device, rope_scaling, show_progress)
+        self.model_dir = loaded.model_dir
+        self.model_config = model_cfg = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model = loaded.model
         self.eos_token_ids = self._eos_ids(model_cfg)
         self.max_model_len = self.config.max_model_len or model_cfg.max_position_embeddings
-        self.model = load_model(self.model_dir, model_cfg, self.dtype, self.device, show_progress)
         page = self.config.page_size
         kv_tokens = self.config.kv_cache_tokens or self.max_model_len
         self.pool = PagePool(model_cfg, max(16, -(-kv_tokens // page)), page, self.dtype, self.device)

@@ -11,30 +11,16 @@ from __future__ import annotations
 
 import torch
 
+from halfbyte.kernels.dispatch import use_triton
 from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
-
-
-def unpack_ref(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """int32 [K/32*bits, N] -> int32 [N, K] values in [0, 2^bits)."""
-    n = qweight.shape[1]
-    words = qweight.view(k // 32, bits, n).to(torch.int64) & 0xFFFFFFFF  # unsigned
-    # the block's bitstream as one integer per column would overflow; read value by value
-    out = torch.empty(k // 32, 32, n, dtype=torch.int64, device=qweight.device)
-    mask = (1 << bits) - 1
-    for i in range(32):
-        word, shift = divmod(i * bits, 32)
-        v = words[:, word] >> shift
-        if shift + bits > 32:
-            v = v | (words[:, word + 1] << (32 - shift))
-        out[:, i] = v & mask
-    return out.reshape(k, n).t().to(torch.int32)
+from halfbyte.quant.packing import unpack
 
 
 def dequantize_ref(
     qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int, k: int
 ) -> torch.Tensor:
-    """fp32 [N, K]."""
-    q = unpack_ref(qweight, bits, k).float()
+    """fp32 [N, K]: the format's definition, on raw tensors."""
+    q = unpack(qweight, bits, k).float()
     group = torch.arange(k, device=q.device) // group_size
     return q * scales.float().t()[:, group] + mins.float().t()[:, group]
 
@@ -179,3 +165,14 @@ def quant_matmul_triton(
         num_warps=num_warps, num_stages=num_stages,
     )
     return partial.sum(0) if split_k > 1 else partial[0]
+
+
+def quant_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int
+) -> torch.Tensor:
+    """x [M, K] @ dequant(W)^T -> fp32 [M, N]: the GEMV kernel for one row, the tiled one for more."""
+    if use_triton(x):
+        if x.shape[0] == 1 and 32 % bits == 0:
+            return gemv_triton(x, qweight, scales, mins, bits, group_size)
+        return quant_matmul_triton(x, qweight, scales, mins, bits, group_size)
+    return quant_matmul_ref(x, qweight, scales, mins, bits, group_size)

@@ -128,6 +128,11 @@ class LlamaModel(nn.Module):
     def prepare_for_inference(self) -> None:
         """Lay weights out for the device after loading. On the CPU, W^T halves the GEMV time
         of the big matrices (LM head: 10.4 -> 5.7 ms for SmolLM2, 2 cores)."""
+        from halfbyte.model.quant_linear import QuantLinear
+
+        for module in self.modules():
+            if isinstance(module, QuantLinear):
+                module.prepare_for_inference(self.device)
         if self.device.type != "cpu":
             return
         for module in self.modules():

@@ -2,29 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.progress import Progress
 
+from halfbyte.io.model_dir import read_json, resolve_model_dir
 from halfbyte.io.safetensors_files import iter_tensors, safetensors_files
+from halfbyte.io.tokenizer import Tokenizer
 from halfbyte.model.config import ModelConfig
 from halfbyte.model.llama import LlamaModel
+from halfbyte.model.rope import RopeScaling
 from halfbyte.model.weights import load_hf_weights
+
+
+@dataclass
+class LoadedModel:
+    model_dir: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    model: LlamaModel
 
 
 def load_model(
     model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, show_progress: bool = False
 ) -> LlamaModel:
     files = safetensors_files(model_dir)
-    model = LlamaModel(cfg, dtype, device)
-    tensors = iter_tensors(files)
-    if show_progress:
-        total = sum(1 for _ in model.parameters())
-        with Progress(transient=True) as progress:
-            task = progress.add_task(f"loading {model_dir.name}", total=total)
+    tensors: Iterator[tuple[str, torch.Tensor]] = iter_tensors(files)
+    quantization = read_json(model_dir / "config.json").get("quantization")
+    if quantization is not None:
+        from halfbyte.model.quantized_loading import load_quantized_model
 
-            def tracked():  # type: ignore[no-untyped-def]
+        return load_quantized_model(cfg, quantization, tensors, dtype, device)
+    model = LlamaModel(cfg, dtype, device)
+    if show_progress:
+        with Progress(transient=True) as progress:
+            task = progress.add_task(f"loading {model_dir.name}", total=sum(1 for _ in model.parameters()))
+
+            def tracked() -> Iterator[tuple[str, torch.Tensor]]:
                 for item in tensors:
                     progress.advance(task)
                     yield item
@@ -34,3 +51,21 @@ def load_model(
         load_hf_weights(model, tensors)
     model.prepare_for_inference()
     return model.eval()
+
+
+def load_pretrained(
+    model: str | Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    rope_scaling: RopeScaling | str | None = None,
+    show_progress: bool = False,
+) -> LoadedModel:
+    """Resolve a model name or path (None: the embedded default), read its config and tokenizer,
+    load its weights. rope_scaling overrides the config's."""
+    model_dir = resolve_model_dir(model)
+    cfg = ModelConfig.from_hf(read_json(model_dir / "config.json"))
+    if rope_scaling is not None:
+        scaling = RopeScaling.parse(rope_scaling) if isinstance(rope_scaling, str) else rope_scaling
+        cfg = cfg.with_rope_scaling(scaling)
+    tokenizer = Tokenizer(model_dir)
+    return LoadedModel(model_dir, cfg, tokenizer, load_model(model_dir, cfg, dtype, device, show_progress))
