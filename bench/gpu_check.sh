@@ -10,3 +10,4 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_*.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
 python3 bench/gemv.py --json "$OUT/gemv.json" "$@" 2>"$OUT/gemv.err"
+python3 bench/decode.py --shape llama3-8b --json "$OUT/decode_8b.json" 2>&1 | tail -8

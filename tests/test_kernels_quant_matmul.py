@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from halfbyte.kernels.quant_matmul import gemv_triton, quant_matmul_ref, quant_matmul_triton
+from halfbyte.kernels.quant_matmul import dequantize_ref, dequantize_t_triton, gemv_triton, quant_matmul_ref, quant_matmul_triton
 from tests.kernel_testing import DEVICE, rel_err
 
 
@@ -39,3 +39,11 @@ def test_gemv(bits: int, n: int, k: int, group: int) -> None:
     for split_k, block_n, block_kw in ((1, 64, 4), (3, 128, 8), (None, 256, 16)):
         out = gemv_triton(x, qweight, scales, mins, bits, group, split_k=split_k, block_n=block_n, block_kw=block_kw)
         assert rel_err(out, ref) <= 1e-3, (split_k, block_n, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_dequantize_t(bits: int) -> None:
+    n, k, group = 72, 576, 64
+    qweight, scales, mins = random_packed(n, k, bits, group, seed=bits)
+    out = dequantize_t_triton(qweight, scales, mins, bits, group, k, torch.float16)
+    assert rel_err(out.t(), dequantize_ref(qweight, scales, mins, bits, group, k)) <= 1e-3

@@ -16,7 +16,9 @@ class PagePool:
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
-        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        # one extra page past the pool: padded rows of a CUDA-graph batch write there, unread
+        self.scratch_page = num_pages
+        shape = (num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
         # per layer: (k, v) [num_pages, page_size, Hkv, D]
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

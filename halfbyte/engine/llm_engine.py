@@ -47,6 +47,8 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if self.device.type == "cuda":  # GPU.md: cuDNN SDPA costs ~2 ms of CPU per call
+            torch.backends.cuda.enable_cudnn_sdp(False)
         loaded = load_pretrained(model, self.dtype, self.device, rope_scaling, show_progress)
         self.model_dir = loaded.model_dir
         self.model_config = model_cfg = loaded.config
@@ -58,7 +60,7 @@ class LLMEngine:
         kv_tokens = self.config.kv_cache_tokens or self.max_model_len
         self.pool = PagePool(model_cfg, max(16, -(-kv_tokens // page)), page, self.dtype, self.device)
         self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_batch_tokens)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, self.config.max_num_seqs, self.max_model_len)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from halfbyte.engine.cuda_graphs import CudaGraphDecoder
 from halfbyte.engine.kv_cache import PagePool
 from halfbyte.engine.sampler import sample
 from halfbyte.engine.scheduler import ScheduledBatch
@@ -12,10 +13,14 @@ from halfbyte.model.llama import LlamaModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: PagePool) -> None:
+    def __init__(self, model: LlamaModel, pool: PagePool, max_num_seqs: int, max_model_len: int) -> None:
         self.model = model
         self.pool = pool
         self.device = model.device
+        self.graphs: CudaGraphDecoder | None = None
+        # dynamic NTK changes frequencies with the sequence length: no fixed graph for it
+        if self.device.type == "cuda" and model.cfg.rope_scaling.type != "dynamic":
+            self.graphs = CudaGraphDecoder(model, pool.kv_caches, max_num_seqs, max_model_len, pool.scratch_page)
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         page = self.pool.page_size
@@ -50,10 +55,12 @@ class ModelRunner:
     def forward_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """fp32 logits [B, vocab] at each sequence's last token; marks the batch's tokens cached."""
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.pool.kv_caches, meta)
-        last = torch.tensor(meta.query_start[1:], device=self.device) - 1
         for seq in batch.seqs:
             seq.num_computed_tokens = seq.num_tokens
+        if self.graphs is not None and meta.is_decode and self.graphs.bucket(meta.num_seqs) is not None:
+            return self.graphs.run(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.device_seq_lens())
+        hidden = self.model(input_ids, positions, self.pool.kv_caches, meta)
+        last = torch.tensor(meta.query_start[1:], device=self.device) - 1
         return self.model.compute_logits(hidden[last])
 
     def step(self, batch: ScheduledBatch) -> list[int]:

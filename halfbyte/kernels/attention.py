@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
 from halfbyte.kernels.dispatch import use_triton
 
 
@@ -106,4 +108,39 @@ def paged_attention(
         return decode_attention_triton(
             q, k_cache, v_cache, meta.block_tables, meta.device_seq_lens(), scale, max(meta.seq_lens)
         )
+    if q.is_cuda:
+        return prefill_attention_sdpa(q, k_cache, v_cache, meta, scale, sliding_window)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
+
+
+def prefill_attention_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Prefill / extend on CUDA through torch's fused attention (flash when nothing is cached).
+    A varlen Triton kernel over the pages replaces this with the paged-engine work."""
+    page_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for b, seq_len in enumerate(meta.seq_lens):
+        q0, q1 = meta.query_start[b], meta.query_start[b + 1]
+        n_new = q1 - q0
+        pages = meta.block_tables[b, : (seq_len + page_size - 1) // page_size]
+        k = _gather_pages(k_cache, pages, seq_len).transpose(0, 1)  # [Hkv, L, D]
+        v = _gather_pages(v_cache, pages, seq_len).transpose(0, 1)
+        qb = q[q0:q1].transpose(0, 1)
+        windowed = sliding_window is not None and seq_len > sliding_window
+        if n_new == seq_len and not windowed:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            q_pos = torch.arange(seq_len - n_new, seq_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[q0:q1] = o.transpose(0, 1)
+    return out

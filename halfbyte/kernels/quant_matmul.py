@@ -120,6 +120,43 @@ if HAS_TRITON:
         tl.store(out_ptr + pid_k * N + rn, tl.sum(acc, axis=0), mask=n_mask)
 
 
+    @triton.jit
+    def _dequant_kernel(
+        qw_ptr, scales_ptr, mins_ptr, out_ptr, N, K,
+        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # writes W^T [K, N] in out's dtype, ready for a dense matmul x @ W^T
+        rk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rk < K)[:, None] & (rn < N)[None, :]
+        bit = (rk % 32) * BITS
+        row = (rk // 32) * BITS + bit // 32
+        shift = (bit % 32).to(tl.uint32)
+        ptrs = qw_ptr + row[:, None].to(tl.int64) * N + rn[None, :]
+        q = tl.load(ptrs, mask=mask, other=0).to(tl.uint32) >> shift[:, None]
+        if 32 % BITS != 0:
+            spill = (shift + BITS > 32) & (rk < K)
+            nxt = tl.load(ptrs + N, mask=spill[:, None] & (rn < N)[None, :], other=0).to(tl.uint32)
+            q = q | tl.where(spill[:, None], nxt << (32 - shift)[:, None], 0)
+        q = (q & ((1 << BITS) - 1)).to(tl.float32)
+        g = rk // GROUP
+        s = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(mins_ptr + g[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], (q * s + m).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_t_triton(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int, k: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """W^T [K, N] in dtype."""
+    n = qweight.shape[1]
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(k, 64), triton.cdiv(n, 128))
+    _dequant_kernel[grid](qweight, scales, mins, out, n, k, BITS=bits, GROUP=group_size, BLOCK_N=128, BLOCK_K=64)
+    return out
+
+
 def gemv_triton(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int,
     split_k: int | None = None, block_n: int = 256, block_kw: int = 16, num_warps: int = 4, num_stages: int = 3,
@@ -167,12 +204,21 @@ def quant_matmul_triton(
     return partial.sum(0) if split_k > 1 else partial[0]
 
 
+DENSE_THRESHOLD_M = 64  # rows above which dequantize + cuBLAS wins (to be tuned on the GPU)
+
+
 def quant_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int
 ) -> torch.Tensor:
     """x [M, K] @ dequant(W)^T -> fp32 [M, N]: the GEMV kernel for one row, the tiled one for more."""
     if use_triton(x):
-        if x.shape[0] == 1 and 32 % bits == 0:
+        m = x.shape[0]
+        if m == 1 and 32 % bits == 0:
             return gemv_triton(x, qweight, scales, mins, bits, group_size)
-        return quant_matmul_triton(x, qweight, scales, mins, bits, group_size)
+        if m <= DENSE_THRESHOLD_M:
+            return quant_matmul_triton(x, qweight, scales, mins, bits, group_size)
+        # prefill: dequantizing once and letting cuBLAS run the big matmul beats re-dequantizing
+        # the weight for every 16-row tile
+        w_t = dequantize_t_triton(qweight, scales, mins, bits, group_size, x.shape[1], x.dtype)
+        return torch.mm(x, w_t).float()
     return quant_matmul_ref(x, qweight, scales, mins, bits, group_size)
