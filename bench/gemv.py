@@ -15,7 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from halfbyte.kernels.quant_matmul import gemv_triton, quant_matmul_ref, quant_matmul_triton  # noqa: E402
+from halfbyte.kernels.quant_gemv import gemv_triton  # noqa: E402
+from halfbyte.kernels.quant_matmul import quant_matmul_ref, quant_matmul_triton  # noqa: E402
 
 SHAPES = {  # name: (N out, K in)
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -78,25 +79,23 @@ def main() -> None:
         ref1 = quant_matmul_ref(x1, qw, sc, mn, args.bits, args.group)
         ref16 = quant_matmul_ref(x16, qw, sc, mn, args.bits, args.group)
         use_gemv = 32 % args.bits == 0
+        fn = gemv_triton if use_gemv else quant_matmul_triton
         if use_gemv:
-            fn1 = gemv_triton
-            grid1 = [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st)
-                     for bn, kw, sk, w, st in itertools.product((128, 256, 512), (8, 16, 32), (None, 8), (4, 8), (2, 4))]
+            grid = [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st)
+                    for bn, kw, sk, w, st in itertools.product((128, 256, 512), (8, 16), (None, 8), (4,), (2, 4))]
         else:
-            fn1 = quant_matmul_triton
-            grid1 = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-                     for bn, bk, w, st in itertools.product((64, 128), (64, 128), (4, 8), (3,))]
-        grid16 = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-                  for bn, bk, w, st in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
+            grid = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+                    for bn, bk, w, st in itertools.product((64, 128), (64, 128), (4, 8), (3,))]
+        grid1, grid16 = grid, grid
         if not args.sweep:
-            grid1, grid16 = grid1[:1], grid16[:1]
+            grid1, grid16 = [{}], [{}]
 
         def pick(fn, grid, x, ref):  # type: ignore[no-untyped-def]
             best = None
             for cfg in grid:
                 try:
                     out = fn(x, qw, sc, mn, args.bits, args.group, **cfg)
-                    err = ((out - ref).norm() / ref.norm()).item()
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
                     if not err <= 1e-3:
                         print(f"  {name} {cfg}: rel err {err:.2e}", file=sys.stderr)
                         continue
@@ -109,8 +108,8 @@ def main() -> None:
             assert best is not None, name
             return best
 
-        cfg, t1, err = pick(fn1, grid1, x1, ref1)
-        cfg16, t16, err16 = pick(quant_matmul_triton, grid16, x16, ref16)
+        cfg, t1, err = pick(fn, grid1, x1, ref1)
+        cfg16, t16, err16 = pick(fn, grid16, x16, ref16)
         w16 = torch.randn(n, k, device="cuda", dtype=torch.float16)
         t_fp16 = graph_time(lambda: torch.nn.functional.linear(x1, w16))
         del w16
@@ -122,10 +121,10 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s; {args.bits}-bit g{args.group}; {result['device']}")
-    print(f"{'shape':<12}{'us b1':>8}{'GB/s':>8}{'%copy':>7}{'b16/b1':>8}{'fp16 us':>9}  config")
+    print(f"{'shape':<12}{'us b1':>8}{'GB/s':>8}{'%copy':>7}{'b16/b1':>8}{'fp16 us':>9}  config b1 | b16")
     for r in rows:
         print(f"{r['shape']:<12}{r['t1_us']:>8.1f}{r['gbs']:>8.0f}{r['pct_copy']:>7.1f}{r['t16_over_t1']:>8.2f}"
-              f"{r['fp16_linear_us']:>9.1f}  {r['config']}")
+              f"{r['fp16_linear_us']:>9.1f}  {r['config']} | {r['config16']}")
 
 
 if __name__ == "__main__":

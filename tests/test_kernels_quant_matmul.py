@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from halfbyte.kernels.quant_matmul import dequantize_ref, dequantize_t_triton, gemv_triton, quant_matmul_ref, quant_matmul_triton
+from halfbyte.kernels.quant_gemv import gemv_triton
+from halfbyte.kernels.quant_matmul import dequantize_ref, dequantize_t_triton, quant_matmul_ref, quant_matmul_triton
 from tests.kernel_testing import DEVICE, rel_err
 
 
@@ -31,14 +32,18 @@ def test_quant_matmul(bits: int, m: int, n: int, k: int, group: int) -> None:
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("n,k,group", [(96, 576, 128), (300, 1536, 32), (64, 4096, 64)])
-def test_gemv(bits: int, n: int, k: int, group: int) -> None:
+@pytest.mark.parametrize("m,n,k,group", [(1, 96, 576, 128), (1, 300, 1536, 32), (4, 64, 4096, 64), (16, 130, 576, 32)])
+def test_gemv(bits: int, m: int, n: int, k: int, group: int) -> None:
     qweight, scales, mins = random_packed(n, k, bits, group, seed=bits * 7 + n)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).half().to(DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).half().to(DEVICE)
     ref = quant_matmul_ref(x, qweight, scales, mins, bits, group)
     for split_k, block_n, block_kw in ((1, 64, 4), (3, 128, 8), (None, 256, 16)):
         out = gemv_triton(x, qweight, scales, mins, bits, group, split_k=split_k, block_n=block_n, block_kw=block_kw)
+        assert out.dtype == x.dtype
         assert rel_err(out, ref) <= 1e-3, (split_k, block_n, rel_err(out, ref))
+    # the split-K counters reset themselves: a second call gives the same answer
+    again = gemv_triton(x, qweight, scales, mins, bits, group, split_k=3, block_n=128, block_kw=8)
+    assert rel_err(again, ref) <= 1e-3
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])

@@ -106,3 +106,17 @@ def test_preemption_loses_nothing(default_model_dir: Path) -> None:
         alone = [small.generate(p, params)[0] for p in prompts[:2]]
     assert [o.token_ids for o in together[:2]] == [a.token_ids for a in alone]
     assert all(len(o.token_ids) == 40 for o in together)
+
+
+def test_cli_chat_answers_paris() -> None:
+    """The README's demo command, as a user runs it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "halfbyte", "generate", "--chat", "--temperature", "0", "--max-tokens", "48",
+         "--prompt", "What is the capital of France?"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout

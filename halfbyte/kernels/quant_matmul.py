@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from halfbyte.kernels.dispatch import use_triton
+from halfbyte.kernels.quant_gemv import gemv_triton
 from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
 from halfbyte.quant.packing import unpack
 
@@ -79,48 +80,6 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _gemv_kernel(
-        x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr,
-        N, K, k_per_split,
-        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-    ):
-        # One row of x (M = 1), bits dividing 32. Each int32 word holds VALS values along K; a
-        # tile is [BLOCK_KW words, VALS, BLOCK_N]. A word's values stay in one thread, so the
-        # sum over them needs no shuffles; the sum over words happens once, after the loop.
-        VALS: tl.constexpr = 32 // BITS
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rw = tl.arange(0, BLOCK_KW)
-        rj = tl.arange(0, VALS)
-        n_mask = rn < N
-        shifts = (rj * BITS).to(tl.uint32)
-        acc = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
-        k_start = pid_k * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
-        for k0 in range(k_start, k_end, BLOCK_KW * VALS):
-            w_row = k0 // VALS + rw  # word rows of this tile
-            w_mask = w_row * VALS < k_end
-            words = tl.load(
-                qw_ptr + w_row[:, None].to(tl.int64) * N + rn[None, :],
-                mask=w_mask[:, None] & n_mask[None, :], other=0,
-            ).to(tl.uint32)
-            kk = k0 + rw[:, None] * VALS + rj[None, :]  # [BLOCK_KW, VALS]
-            x = tl.load(x_ptr + kk, mask=kk < k_end, other=0.0).to(tl.float32)
-            q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
-            # int -> float without a conversion instruction: 2^23 + q has q in the mantissa
-            qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            dot = tl.sum(qf * x[:, :, None], axis=1)  # [BLOCK_KW, BLOCK_N]
-            xsum = tl.sum(x, axis=1)  # [BLOCK_KW]
-            g = (k0 + rw * VALS) // GROUP
-            gmask = w_mask[:, None] & n_mask[None, :]
-            s = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=gmask, other=0.0).to(tl.float32)
-            m = tl.load(mins_ptr + g[:, None] * N + rn[None, :], mask=gmask, other=0.0).to(tl.float32)
-            acc += dot * s + xsum[:, None] * m
-        tl.store(out_ptr + pid_k * N + rn, tl.sum(acc, axis=0), mask=n_mask)
-
-
-    @triton.jit
     def _dequant_kernel(
         qw_ptr, scales_ptr, mins_ptr, out_ptr, N, K,
         BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -157,29 +116,6 @@ def dequantize_t_triton(
     return out
 
 
-def gemv_triton(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int,
-    split_k: int | None = None, block_n: int = 256, block_kw: int = 16, num_warps: int = 4, num_stages: int = 3,
-) -> torch.Tensor:
-    """x [1, K] -> fp32 [1, N]; bits in (2, 4, 8)."""
-    assert x.shape[0] == 1 and 32 % bits == 0
-    k = x.shape[1]
-    n = qweight.shape[1]
-    block_k = block_kw * (32 // bits)
-    col_blocks = triton.cdiv(n, block_n)
-    if split_k is None:
-        split_k = max(1, min(triton.cdiv(k, block_k), 264 // col_blocks))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    partial = torch.empty(split_k, n, dtype=torch.float32, device=x.device)
-    _gemv_kernel[(col_blocks, split_k)](
-        x, qweight, scales, mins, partial, n, k, k_per_split,
-        BITS=bits, GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return (partial.sum(0) if split_k > 1 else partial[0]).unsqueeze(0)
-
-
 def quant_matmul_triton(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int,
     split_k: int | None = None, block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
@@ -213,8 +149,8 @@ def quant_matmul(
     """x [M, K] @ dequant(W)^T -> fp32 [M, N]: the GEMV kernel for one row, the tiled one for more."""
     if use_triton(x):
         m = x.shape[0]
-        if m == 1 and 32 % bits == 0:
-            return gemv_triton(x, qweight, scales, mins, bits, group_size)
+        if m <= 16 and 32 % bits == 0:
+            return gemv_triton(x, qweight, scales, mins, bits, group_size).float()
         if m <= DENSE_THRESHOLD_M:
             return quant_matmul_triton(x, qweight, scales, mins, bits, group_size)
         # prefill: dequantizing once and letting cuBLAS run the big matmul beats re-dequantizing
