@@ -67,7 +67,8 @@ class Scheduler:
                 self.pool.grow(seq.block_table, seq.num_tokens)
                 batch.append(seq)
         self.running = batch
-        return ScheduledBatch(batch, is_prefill=False) if batch else None
+        # a copy: finishing a sequence removes it from `running` while the step walks the batch
+        return ScheduledBatch(list(batch), is_prefill=False) if batch else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table)
