@@ -110,8 +110,10 @@ def gemv_triton(
     assert m <= 16 and 32 % bits == 0
     x = x.contiguous()
     n = qweight.shape[1]
+    if m > 1:  # the sweep's winners for 16 rows: the tl.dot tile must fit shared memory
+        block_n, block_kw, num_stages = block_n or 128, block_kw or 8, num_stages or 4
     if block_n is None:
-        block_n = 512 if n * k >= 8192 * 8192 else 128
+        block_n = 512 if n * k >= 8192 * 8192 else 256
     if block_kw is None:
         block_kw = 8 if block_n == 512 else 16
     if num_stages is None:

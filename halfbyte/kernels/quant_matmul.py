@@ -146,15 +146,16 @@ DENSE_THRESHOLD_M = 64  # rows above which dequantize + cuBLAS wins (to be tuned
 def quant_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int
 ) -> torch.Tensor:
-    """x [M, K] @ dequant(W)^T -> fp32 [M, N]: the GEMV kernel for one row, the tiled one for more."""
+    """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype (fp32 accumulation): the weight-streaming
+    kernel for decode-sized M, tiles for mid-sized M, dequantize + cuBLAS for prefill."""
     if use_triton(x):
         m = x.shape[0]
         if m <= 16 and 32 % bits == 0:
-            return gemv_triton(x, qweight, scales, mins, bits, group_size).float()
+            return gemv_triton(x, qweight, scales, mins, bits, group_size)
         if m <= DENSE_THRESHOLD_M:
-            return quant_matmul_triton(x, qweight, scales, mins, bits, group_size)
+            return quant_matmul_triton(x, qweight, scales, mins, bits, group_size).to(x.dtype)
         # prefill: dequantizing once and letting cuBLAS run the big matmul beats re-dequantizing
         # the weight for every 16-row tile
         w_t = dequantize_t_triton(qweight, scales, mins, bits, group_size, x.shape[1], x.dtype)
-        return torch.mm(x, w_t).float()
-    return quant_matmul_ref(x, qweight, scales, mins, bits, group_size)
+        return torch.mm(x, w_t)
+    return quant_matmul_ref(x, qweight, scales, mins, bits, group_size).to(x.dtype)

@@ -46,5 +46,4 @@ class QuantLinear(nn.Module):
                 part = quant_matmul(xs[:, s.k_start : s.k_end], s.qweight, s.scales, s.mins, s.bits, s.group_size)
                 y = part if y is None else y + part
             assert y is not None
-            y = y.to(x.dtype)
         return y + self.bias if self.bias is not None else y
