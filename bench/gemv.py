@@ -96,6 +96,8 @@ def main() -> None:
             grid = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
                     for bn, bk, w, st in itertools.product((64, 128), (64, 128), (4, 8), (3,))]
         grid1, grid16 = grid, grid
+        if use_gemv:  # the single-row kernel has two formulations; the sweep picks per shape
+            grid1 = grid + [dict(c, unroll=True) for c in grid]
         if not args.sweep:
             grid1, grid16 = [{}], [{}]
 

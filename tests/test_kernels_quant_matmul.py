@@ -42,6 +42,9 @@ def test_gemv(bits: int, m: int, n: int, k: int, group: int) -> None:
         out = gemv_triton(x, qweight, scales, mins, bits, group, split_k=split_k, block_n=block_n, block_kw=block_kw)
         assert out.dtype == x.dtype
         assert rel_err(out, ref) <= 1e-3, (split_k, block_n, rel_err(out, ref))
+    if m == 1:  # the other single-row formulation (3-D tiles)
+        out = gemv_triton(x, qweight, scales, mins, bits, group, split_k=3, block_n=128, block_kw=8, unroll=False)
+        assert rel_err(out, ref) <= 1e-3
     # the split-K counters reset themselves: a second call gives the same answer
     again = gemv_triton(x, qweight, scales, mins, bits, group, split_k=3, block_n=128, block_kw=8)
     assert rel_err(again, ref) <= 1e-3

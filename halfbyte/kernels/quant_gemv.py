@@ -67,7 +67,7 @@ if HAS_TRITON:
         x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         M, N, K, k_per_split,
         BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr, UNROLL: tl.constexpr,
     ):
         VALS: tl.constexpr = 32 // BITS
         BLOCK_K: tl.constexpr = BLOCK_KW * VALS
@@ -78,7 +78,30 @@ if HAS_TRITON:
         n_mask = rn < N
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
-        if BLOCK_M == 1:
+        if BLOCK_M == 1 and UNROLL:
+            # values of a word extracted one shift at a time on 2-D [words, N] tiles: the word
+            # and its values never leave the thread that loaded it
+            rw = tl.arange(0, BLOCK_KW)
+            acc1 = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
+            for k0 in range(k_start, k_end, BLOCK_K):
+                w_row = k0 // VALS + rw
+                w_mask = (w_row * VALS < k_end)[:, None] & n_mask[None, :]
+                words = tl.load(qw_ptr + w_row[:, None].to(tl.int64) * N + rn[None, :], mask=w_mask, other=0)
+                words = words.to(tl.uint32)
+                dot = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
+                xsum = tl.zeros([BLOCK_KW], dtype=tl.float32)
+                for j in tl.static_range(VALS):
+                    kj = k0 + rw * VALS + j
+                    xj = tl.load(x_ptr + kj, mask=kj < k_end, other=0.0).to(tl.float32)
+                    qj = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
+                    dot += (qj.to(tl.float32, bitcast=True) - 8388608.0) * xj[:, None]
+                    xsum += xj
+                g = (k0 + rw * VALS) // GROUP
+                s = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=w_mask, other=0.0).to(tl.float32)
+                m = tl.load(mins_ptr + g[:, None] * N + rn[None, :], mask=w_mask, other=0.0).to(tl.float32)
+                acc1 += dot * s + xsum[:, None] * m
+            acc = tl.sum(acc1, axis=0)[None, :]
+        elif BLOCK_M == 1:
             # the values of one word sit in one thread: sum them there, scale once per word
             acc1 = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
             for k0 in range(k_start, k_end, BLOCK_K):
@@ -102,25 +125,27 @@ if HAS_TRITON:
 def gemv_triton(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
-    num_warps: int = 4, num_stages: int | None = None,
+    num_warps: int = 4, num_stages: int | None = None, unroll: bool | None = None,
 ) -> torch.Tensor:
-    """x [M <= 16, K] -> [M, N] in x's dtype; bits in (2, 4, 8). Defaults: the H100 sweep's
-    winners (BENCHMARKS.md)."""
+    """x [M <= 16, K] -> [M, N] in x's dtype; bits in (2, 4, 8)."""
     m, k = x.shape
     assert m <= 16 and 32 % bits == 0
     x = x.contiguous()
     n = qweight.shape[1]
-    if m > 1:  # the sweep's winners for 16 rows: the tl.dot tile must fit shared memory
+    # defaults: the H200 sweep's winners (BENCHMARKS.md, bench/gemv.py --sweep)
+    if m > 1:  # the tl.dot tile must fit shared memory
         block_n, block_kw, num_stages = block_n or 128, block_kw or 8, num_stages or 4
-    if block_n is None:
-        block_n = 512 if n * k >= 8192 * 8192 else 256
-    if block_kw is None:
-        block_kw = 8 if block_n == 512 else 16
-    if num_stages is None:
-        num_stages = 2 if block_n == 512 else 4
+    else:
+        unroll = True if unroll is None else unroll
+        wide = k >= 8192 and 8192 <= n < 16384  # 70B-sized qkv/o/down: wide tiles, no split
+        block_n = block_n or (512 if wide else 128 if n >= 16384 else 256)
+        block_kw = block_kw or (8 if wide else 16)
+        num_stages = num_stages or 2
+        if split_k is None and n >= 16384:  # gate_up-sized: more, shorter K runs in flight
+            split_k = 8
     block_k = block_kw * (32 // bits)
     col_blocks = triton.cdiv(n, block_n)
-    if split_k is None:
+    if split_k is None:  # about two waves of programs on 132 SMs
         split_k = max(1, min(triton.cdiv(k, block_k), 264 // col_blocks, 16))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
@@ -131,6 +156,6 @@ def gemv_triton(
     _gemv_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, m, n, k, k_per_split,
         BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
-        num_warps=num_warps, num_stages=num_stages,
+        UNROLL=bool(unroll), num_warps=num_warps, num_stages=num_stages,
     )
     return out
