@@ -6,6 +6,7 @@ query tokens q[query_start[b]:query_start[b+1]], the last ones of its seq_lens[b
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -49,9 +50,28 @@ def store_kv_ref(
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
 
 
-def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence: [length, Hkv, D]."""
-    return cache[pages].flatten(0, 1)[:length]
+def _per_sequence(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """For each sequence: (its rows of the flat batch, q [Hq, n, D], k and v [Hkv, L, D] gathered
+    from its pages, L)."""
+    page_size = k_cache.shape[1]
+    for b, seq_len in enumerate(meta.seq_lens):
+        rows = slice(meta.query_start[b], meta.query_start[b + 1])
+        pages = meta.block_tables[b, : (seq_len + page_size - 1) // page_size]
+        k = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
+        v = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
+        yield rows, q[rows].transpose(0, 1), k, v, seq_len
+
+
+def _causal_mask(n_new: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """[n_new, seq_len] bool: the new tokens are the last n_new of the sequence."""
+    q_pos = torch.arange(seq_len - n_new, seq_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
 
 
 def paged_attention_ref(
@@ -63,30 +83,19 @@ def paged_attention_ref(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for every sequence in the batch, computed in fp32. Returns [T, Hq, D]."""
-    page_size = k_cache.shape[1]
     out = torch.empty_like(q)
-    for b, seq_len in enumerate(meta.seq_lens):
-        q0, q1 = meta.query_start[b], meta.query_start[b + 1]
-        n_new = q1 - q0
-        pages = meta.block_tables[b, : (seq_len + page_size - 1) // page_size]
-        k = _gather_pages(k_cache, pages, seq_len).float().transpose(0, 1)  # [Hkv, L, D]
-        v = _gather_pages(v_cache, pages, seq_len).float().transpose(0, 1)
-        num_kv = k.shape[0]
-        group = q.shape[1] // num_kv
+    for rows, qb, k, v, seq_len in _per_sequence(q, k_cache, v_cache, meta):
+        num_kv, n_new = k.shape[0], qb.shape[1]
+        group = qb.shape[0] // num_kv
         # [Hq, n, D] -> [Hkv, group * n, D]: each KV head serves its group in one matmul
-        qb = q[q0:q1].float().transpose(0, 1).reshape(num_kv, group * n_new, -1)
-        scores = torch.matmul(qb, k.transpose(1, 2)).mul_(scale).view(num_kv, group, n_new, seq_len)
-        windowed = sliding_window is not None and seq_len > sliding_window
-        if n_new > 1 or windowed:  # a decode token sees its whole context: no mask needed
-            q_pos = torch.arange(seq_len - n_new, seq_len, device=q.device).unsqueeze(1)
-            k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-            mask = k_pos <= q_pos
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
-            scores.masked_fill_(~mask, float("-inf"))
+        qg = qb.float().reshape(num_kv, group * n_new, -1)
+        scores = torch.matmul(qg, k.float().transpose(1, 2)).mul_(scale).view(num_kv, group, n_new, seq_len)
+        if n_new > 1 or (sliding_window is not None and seq_len > sliding_window):
+            # (a lone decode token sees its whole context: no mask to build)
+            scores.masked_fill_(~_causal_mask(n_new, seq_len, sliding_window, q.device), float("-inf"))
         probs = scores.softmax(dim=-1).view(num_kv, group * n_new, seq_len)
-        o = torch.matmul(probs, v).view(num_kv * group, n_new, -1)
-        out[q0:q1] = o.transpose(0, 1).to(q.dtype)
+        o = torch.matmul(probs, v.float()).view(num_kv * group, n_new, -1)
+        out[rows] = o.transpose(0, 1).to(q.dtype)
     return out
 
 
@@ -123,24 +132,13 @@ def prefill_attention_sdpa(
 ) -> torch.Tensor:
     """Prefill / extend on CUDA through torch's fused attention (flash when nothing is cached).
     A varlen Triton kernel over the pages replaces this with the paged-engine work."""
-    page_size = k_cache.shape[1]
     out = torch.empty_like(q)
-    for b, seq_len in enumerate(meta.seq_lens):
-        q0, q1 = meta.query_start[b], meta.query_start[b + 1]
-        n_new = q1 - q0
-        pages = meta.block_tables[b, : (seq_len + page_size - 1) // page_size]
-        k = _gather_pages(k_cache, pages, seq_len).transpose(0, 1)  # [Hkv, L, D]
-        v = _gather_pages(v_cache, pages, seq_len).transpose(0, 1)
-        qb = q[q0:q1].transpose(0, 1)
-        windowed = sliding_window is not None and seq_len > sliding_window
-        if n_new == seq_len and not windowed:
+    for rows, qb, k, v, seq_len in _per_sequence(q, k_cache, v_cache, meta):
+        n_new = qb.shape[1]
+        if n_new == seq_len and not (sliding_window is not None and seq_len > sliding_window):
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            q_pos = torch.arange(seq_len - n_new, seq_len, device=q.device).unsqueeze(1)
-            k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-            mask = k_pos <= q_pos
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
+            mask = _causal_mask(n_new, seq_len, sliding_window, q.device)
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[q0:q1] = o.transpose(0, 1)
+        out[rows] = o.transpose(0, 1)
     return out
