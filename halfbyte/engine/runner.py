@@ -12,6 +12,11 @@ from halfbyte.kernels.attention import AttentionMetadata
 from halfbyte.model.llama import LlamaModel
 
 
+def _first_if_consecutive(pages: list[int]) -> int | None:
+    return pages[0] if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(
+        range(pages[0], pages[-1] + 1)) else None
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: PagePool, max_num_seqs: int, max_model_len: int) -> None:
         self.model = model
@@ -44,6 +49,7 @@ class ModelRunner:
             seq_lens=[s.num_tokens for s in batch.seqs],
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            contiguous_from=[_first_if_consecutive(s.block_table) for s in batch.seqs],
         )
         return (
             torch.tensor(ids, dtype=torch.int64, device=dev),

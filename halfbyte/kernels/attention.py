@@ -24,6 +24,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_pages] int32 page ids, on the cache's device
     slot_mapping: torch.Tensor  # [T] int64 flat cache slot (page * page_size + offset) per new token
     seq_lens_tensor: torch.Tensor | None = None  # [B] int32 on the device, made once per step
+    # per sequence, its first page if its pages are consecutive (the reference then slices the
+    # cache instead of gathering it); None entries or no list: gather
+    contiguous_from: list[int | None] | None = None
 
     def device_seq_lens(self) -> torch.Tensor:
         if self.seq_lens_tensor is None:
@@ -58,9 +61,15 @@ def _per_sequence(
     page_size = k_cache.shape[1]
     for b, seq_len in enumerate(meta.seq_lens):
         rows = slice(meta.query_start[b], meta.query_start[b + 1])
-        pages = meta.block_tables[b, : (seq_len + page_size - 1) // page_size]
-        k = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
-        v = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
+        num_pages = (seq_len + page_size - 1) // page_size
+        first = meta.contiguous_from[b] if meta.contiguous_from is not None else None
+        if first is not None:  # consecutive pages (usual for a lone sequence): a view, no gather
+            k, v = k_cache[first : first + num_pages], v_cache[first : first + num_pages]
+        else:
+            pages = meta.block_tables[b, :num_pages]
+            k, v = k_cache[pages], v_cache[pages]
+        k = k.flatten(0, 1)[:seq_len].transpose(0, 1)
+        v = v.flatten(0, 1)[:seq_len].transpose(0, 1)
         yield rows, q[rows].transpose(0, 1), k, v, seq_len
 
 

@@ -22,6 +22,8 @@ def apply_rotary_ref(
     Computed in fp32 and rounded once."""
     cos = cos.float().unsqueeze(1)
     sin = sin.float().unsqueeze(1)
+    if q.dtype == torch.float32 and k.dtype == torch.float32:  # no conversions to pay for
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
     qf, kf = q.float(), k.float()
     return (
         (qf * cos + _rotate_half(qf) * sin).to(q.dtype),
