@@ -1,0 +1,1 @@
+"""Reading and writing model files: HF directories, safetensors, GGUF, tokenizers."""
