@@ -40,6 +40,8 @@ class CudaGraphDecoder:
         self.slot_mapping = torch.zeros(top, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(top, self.max_pages, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
+        # the cos/sin table must not grow (reallocate) under a captured graph
+        model.rotary.reserve(max_seq_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
