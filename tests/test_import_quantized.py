@@ -165,10 +165,10 @@ def test_gptq_bad_inputs_are_one_line_errors() -> None:
     t = make_gptq(q, z, s, g_idx, 4)
     with pytest.raises(QuantizationError, match="unsupported GPTQ bits 5"):
         gptq_to_quant_weight(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 5, 32)
-    with pytest.raises(QuantizationError, match=r"layer\.x: qzeros has 4 groups, scales 3"):
+    with pytest.raises(QuantizationError, match=r"layer\.x: scales has 3 groups; K = 128 with group size 32 needs 4"):
         gptq_to_quant_weight(t["qweight"], t["qzeros"], t["scales"][:3], None, 4, 32, where="layer.x")
-    with pytest.raises(QuantizationError, match=r"layer\.x: zeros has shape \[3, 32\], expected \[4, 32\]"):
-        gptq_to_quant_weight(t["qweight"], t["qzeros"][:3], t["scales"][:3], None, 4, 32, where="layer.x")
+    with pytest.raises(QuantizationError, match=r"layer\.x: qzeros has 3 groups, scales 4"):
+        gptq_to_quant_weight(t["qweight"], t["qzeros"][:3], t["scales"], None, 4, 32, where="layer.x")
     bad_g = t["g_idx"].clone()
     bad_g[0] = 1  # group 0 now has 31 columns, group 1 has 33
     with pytest.raises(QuantizationError, match="does not split K = 128 into groups of 32") as e:
@@ -285,3 +285,221 @@ def test_unpermute_rope_rows_undoes_llama_cpp_permutation() -> None:
     # RTN works row by row, so quantizing the un-permuted rows gives exactly the restored weight
     assert torch.equal(restored.dequantize(), quantize_rtn(w, 8, 32).dequantize())
     assert not torch.equal(qw.dequantize(), restored.dequantize())
+
+
+# --- whole checkpoints --------------------------------------------------------------------------
+
+PROJ = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+INPUT_OF = {"self_attn.q_proj": "attn", "self_attn.k_proj": "attn", "self_attn.v_proj": "attn",
+            "mlp.gate_proj": "mlp", "mlp.up_proj": "mlp"}
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )
+    out = tmp_path_factory.mktemp("hf") / "m"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _quantize_test(w: np.ndarray, order: np.ndarray, bits: int, gs: int):
+    """A plain min/max quantizer in GPTQ's terms: groups of `gs` columns taken in `order`."""
+    n, k = w.shape
+    maxq = (1 << bits) - 1
+    g_idx = np.empty(k, dtype=np.int64)
+    g_idx[order] = np.arange(k) // gs
+    groups = math.ceil(k / gs)
+    s = np.empty((groups, n), dtype=np.float16)
+    z = np.empty((groups, n), dtype=np.int64)
+    for g in range(groups):
+        cols = w[:, order[g * gs:(g + 1) * gs]]
+        lo, hi = np.minimum(cols.min(1), 0), np.maximum(cols.max(1), 0)
+        s[g] = ((hi - lo) / maxq).astype(np.float16)
+        z[g] = np.clip(np.round(-lo / s[g].astype(np.float64)), 1, maxq)  # v1 cannot store z = 0
+    q = np.clip(np.round(w / s.astype(np.float64)[g_idx].T) + z[g_idx].T, 0, maxq).astype(np.int64)
+    return q, z, s, g_idx
+
+
+def _write_foreign(src: Path, out: Path, method: str, perms: str, bits: int = 4, gs: int = 32) -> tuple[Path, Path]:
+    """(a GPTQ/AWQ checkpoint of the tiny model, its dense twin holding the reference weights)."""
+    rng = np.random.default_rng(42)
+    tensors = load_file(src / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    quant: dict[str, torch.Tensor] = {}
+    twin: dict[str, torch.Tensor] = {}
+    for i in range(cfg["num_hidden_layers"]):
+        shared: dict[str, np.ndarray] = {}
+        for proj in PROJ:
+            name = f"model.layers.{i}.{proj}"
+            w = tensors.pop(f"{name}.weight").double().numpy()
+            k = w.shape[1]
+            if perms == "none":
+                order = np.arange(k)
+            elif perms == "shared" and proj in INPUT_OF:
+                order = shared.setdefault(INPUT_OF[proj], rng.permutation(k))
+            else:
+                order = rng.permutation(k)
+            q, z, s, g_idx = _quantize_test(w, order, bits, gs)
+            twin[f"{name}.weight"] = torch.from_numpy(gptq_reference(q, z, s, g_idx)).float()
+            if method == "gptq":
+                for key, t in make_gptq(q, z, s, g_idx, bits).items():
+                    quant[f"{name}.{key}"] = t
+            else:
+                quant[f"{name}.qweight"] = _pack_awq(q.T)
+                quant[f"{name}.qzeros"] = _pack_awq(z)
+                quant[f"{name}.scales"] = torch.from_numpy(s)
+    qcfg = {"quant_method": method, "bits": bits, "group_size": gs}
+    qcfg.update({"desc_act": perms != "none", "sym": False, "checkpoint_format": "gptq"} if method == "gptq"
+                else {"version": "gemm", "zero_point": True})
+    dirs = (out / method, out / "twin")
+    for d, payload, extra in ((dirs[0], {**tensors, **quant}, True), (dirs[1], {**tensors, **twin}, False)):
+        d.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in payload.items()}, d / "model.safetensors")
+        (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": qcfg} if extra else cfg))
+    return dirs
+
+
+def _logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    from halfbyte.engine.scoring import score_tokens
+    from halfbyte.io.model_dir import read_json
+    from halfbyte.model.config import ModelConfig
+    from halfbyte.model.loader import load_model
+
+    cfg = ModelConfig.from_hf(read_json(model_dir / "config.json"))
+    return score_tokens(load_model(model_dir, cfg, torch.float32, torch.device("cpu")), ids)
+
+
+IDS = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@pytest.mark.parametrize(("method", "perms"), [("gptq", "none"), ("gptq", "shared"), ("gptq", "distinct"), ("awq", "none")])
+def test_foreign_checkpoint_loads_like_its_reference_weights(tiny_hf: Path, tmp_path: Path, method: str, perms: str) -> None:
+    foreign, twin = _write_foreign(tiny_hf, tmp_path, method, perms)
+    report = import_checkpoint(foreign, tmp_path / "hb")
+    layers = json.loads((tmp_path / "hb" / "config.json").read_text())["quantization"]["layers"]
+    qkv = layers.get("model.layers.0.self_attn.qkv_proj")
+    if perms == "distinct":  # q/k/v act-order permutations differ: written dense, said so
+        assert qkv is None and "model.layers.0.mlp.down_proj" in layers
+        assert any("permutations differ" in n for n in report.notes)
+    else:
+        assert qkv is not None and qkv["act_order"] == (perms == "shared")
+        assert "model.layers.1.mlp.gate_up_proj" in layers
+    # |z s| is about the group's |min| (< 0.2 for this init): the min-form rounding is below 2^-11 of it
+    assert len(report.layers) == 14 and 0 < max(r.max_abs_err for r in report.layers) <= 2.0**-11 * 0.2
+    _assert_dir_weights_near(tmp_path / "hb", twin)
+    # the weights differ from the reference by the min-form rounding only (above); through two
+    # layers that moves these logits (|logit| ~ 1) by a few 1e-4, a wrong layout by far more
+    diff = (_logits(tmp_path / "hb", IDS) - _logits(twin, IDS)).abs().max().item()
+    assert diff <= 2e-3, diff
+
+
+def _assert_dir_weights_near(hb: Path, twin: Path, tol: float = 2.0**-11 * 0.2) -> None:
+    """Every projection of the halfbyte directory (fused or dense), split back into the HF
+    matrices, is within `tol` of the twin's weights (default: 2^-11 |z s| with |z s| < 0.2)."""
+    from halfbyte.quant.qtensor import QuantWeight
+
+    cfg = json.loads((hb / "config.json").read_text())
+    tensors, ref = load_file(hb / "model.safetensors"), load_file(twin / "model.safetensors")
+    got: dict[str, torch.Tensor] = {}
+    for prefix, meta in cfg["quantization"]["layers"].items():
+        w = QuantWeight.from_state_dict(prefix, tensors, meta).dequantize()
+        base, fused = prefix.rsplit(".", 1)
+        parts = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}.get(fused, [fused])
+        sizes = [ref[f"{base}.{p}.weight"].shape[0] for p in parts]
+        for p, chunk in zip(parts, torch.split(w, sizes)):
+            got[f"{base}.{p}.weight"] = chunk
+    for name, t in tensors.items():
+        if name.endswith("_proj.weight"):
+            got[name] = t
+    assert set(got) == {n for n in ref if n.endswith("_proj.weight")}
+    for name, w in got.items():
+        assert (w.float() - ref[name]).abs().max().item() <= tol, name
+
+
+def test_unfusable_parts_can_stay_quantized_under_their_own_names(tiny_hf: Path, tmp_path: Path) -> None:
+    foreign, _ = _write_foreign(tiny_hf, tmp_path, "gptq", "distinct")
+    import_checkpoint(foreign, tmp_path / "hb", unfusable="separate")
+    layers = json.loads((tmp_path / "hb" / "config.json").read_text())["quantization"]["layers"]
+    assert {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.0.mlp.up_proj"} <= set(layers)
+    assert layers["model.layers.0.self_attn.q_proj"]["act_order"]
+    with pytest.raises(QuantizationError, match=r"model\.layers\.0\.\w+\.\w+_proj: parts cannot be fused"):
+        import_checkpoint(foreign, tmp_path / "hb2", unfusable="error")
+    assert not (tmp_path / "hb2").exists()  # nothing half-written
+
+
+def test_convert_if_foreign_caches_and_passes_others_through(tiny_hf: Path, tmp_path: Path) -> None:
+    foreign, twin = _write_foreign(tiny_hf, tmp_path, "gptq", "shared")
+    cache = tmp_path / "cache"
+    first = convert_if_foreign(foreign, cache)
+    assert first.parent == cache and (first / "config.json").is_file()
+    stamp = (first / "config.json").stat().st_mtime_ns
+    assert convert_if_foreign(foreign, cache) == first
+    assert (first / "config.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert convert_if_foreign(twin, cache) == twin
+    assert convert_if_foreign(first, cache) == first
+    cfg = json.loads((foreign / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (foreign / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="quant_method 'bitsandbytes' is not supported"):
+        convert_if_foreign(foreign, cache)
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "message"),
+    [
+        ({"bits": 5}, QuantizationError, "unsupported GPTQ bits 5"),
+        ({"checkpoint_format": "marlin"}, UnsupportedModelError, "checkpoint_format 'marlin'"),
+        ({"group_size": 64}, QuantizationError, r"model\.layers\.0\.\w+\.\w+_proj: scales has \d+ groups; K = \d+ with group size 64"),
+        ({"quant_method": "hqq"}, UnsupportedModelError, "quant_method 'hqq' is not supported"),
+    ],
+)
+def test_bad_checkpoints_are_one_line_errors(tiny_hf: Path, tmp_path: Path, edit: dict, error: type, message: str) -> None:
+    foreign, _ = _write_foreign(tiny_hf, tmp_path, "gptq", "none")
+    cfg = json.loads((foreign / "config.json").read_text())
+    cfg["quantization_config"].update(edit)
+    (foreign / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(error, match=message) as e:
+        import_checkpoint(foreign, tmp_path / "hb")
+    assert "\n" not in str(e.value) and not (tmp_path / "hb").exists()
+
+
+def test_truncated_files_are_corrupt_file_errors(tiny_hf: Path, tmp_path: Path) -> None:
+    foreign, _ = _write_foreign(tiny_hf, tmp_path, "awq", "none")
+    weights = foreign / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CorruptFileError, match="truncated or corrupt"):
+        import_checkpoint(foreign, tmp_path / "hb")
+    gguf_file = tmp_path / "cut.gguf"
+    header = gguf.GGUFWriter(str(tmp_path / "full.gguf"), "llama")
+    header.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(np.ones((32, 64), np.float32), gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    header.write_header_to_file()
+    header.write_kv_data_to_file()
+    header.write_tensors_to_file()
+    header.close()
+    full = (tmp_path / "full.gguf").read_bytes()
+    gguf_file.write_bytes(full[: len(full) - 100])
+    with pytest.raises(HalfbyteError, match="cut.gguf"):
+        import_checkpoint(gguf_file, tmp_path / "hb")
+
+
+@pytest.mark.slow
+def test_default_model_gguf_imports_exactly_and_matches_the_float_import(default_model_dir: Path, tmp_path: Path) -> None:
+    from halfbyte.io.default_model import default_gguf_path
+
+    out = convert_if_foreign(default_gguf_path(), tmp_path / "cache")
+    layers = json.loads((out / "config.json").read_text())["quantization"]["layers"]
+    assert len(layers) == 30 * 4  # qkv, o, gate_up, down per layer; the tied Q8_0 embedding is dense
+    assert all(s["bits"] == 4 and s["group_size"] == 32 for m in layers.values() for s in m["slices"])
+    # bit for bit the weights `import-gguf` dequantizes (q/k un-permuted the same way), Q8_0 embedding included
+    _assert_dir_weights_near(out, default_model_dir, tol=0.0)
+    ours, theirs = load_file(out / "model.safetensors"), load_file(default_model_dir / "model.safetensors")
+    assert torch.equal(ours["model.embed_tokens.weight"], theirs["model.embed_tokens.weight"])
+    ids = list(range(1000, 1040))
+    diff = (_logits(out, ids) - _logits(default_model_dir, ids)).abs().max().item()
+    assert diff <= 1e-4, diff

@@ -27,12 +27,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from halfbyte.errors import CorruptFileError, HalfbyteError, QuantizationError, UnsupportedModelError
+from halfbyte.errors import HalfbyteError, QuantizationError, UnsupportedModelError
 from halfbyte.quant.import_checkpoint import (
     IMPORTER_VERSION, ImportReport, LayerReport, _bits_per_weight, _emit, _finish_config, _plan, _ShardWriter,
     _write_atomically,
@@ -270,25 +269,27 @@ def import_gguf_quantized(
 ) -> ImportReport:
     """A llama GGUF file -> a halfbyte quantized model directory: linear weights quantized as the
     table above says, everything else (embeddings, norms) dense float32 as gguf dequantizes it;
-    config.json and tokenizer files as `halfbyte import-gguf` writes them."""
-    from halfbyte.io.gguf_import import _config, _hf_name, gguf_metadata, read_gguf
+    config.json and tokenizer files exactly as `halfbyte import-gguf` writes them."""
+    # The metadata side is halfbyte.io.gguf_import's: one reading of GGUF configs and tokenizers.
+    from halfbyte.io import gguf_import as gi
     from halfbyte.io.gguf_tokenizer import tokenizer_from_gguf
 
     path, out = Path(path), Path(out)
     if out.exists() and not overwrite:
         raise HalfbyteError(f"{out} already exists; remove it or choose another output directory")
-    reader = read_gguf(path)
-    meta = gguf_metadata(reader)
+    reader = gi.open_gguf(path)
+    meta = gi.gguf_metadata(reader)
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    by_name = {_hf_name(t.name): t for t in reader.tensors}
-    cfg = _config(meta, tied="lm_head.weight" not in by_name)
+    gi._check_bounds(reader, path)
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    rope = next((t for t in reader.tensors if t.name == gi._ROPE_FREQS), None)
+    cfg = gi._config(meta, shapes, gi._dequantized(rope, {}) if rope is not None else None)
+    plan = gi._check_tensors(reader, cfg, shapes)  # [(GGUF tensor, HF name)], names and shapes checked
     tokenizer = tokenizer_from_gguf(meta)
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if int(t.data_offset) + int(t.n_bytes) > size:
-            raise CorruptFileError(f"{path} is truncated (tensor {t.name} runs past the end of the file)")
+    tok_cfg = gi._tokenizer_config(meta, cfg)
+    by_name = {name: t for t, name in plan}
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
 
     def is_quantized_linear(name: str) -> bool:
@@ -300,8 +301,7 @@ def import_gguf_quantized(
 
     def read(prefix: str) -> QuantWeight:
         t = by_name[f"{prefix}.weight"]
-        shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists ne0 (= K) first
-        imported = gguf_to_quant_weight(np.asarray(t.data), t.tensor_type, shape, prefix, q6k_bits, measure)
+        imported = gguf_to_quant_weight(np.asarray(t.data), t.tensor_type, shapes[t.name], prefix, q6k_bits, measure)
         err = imported.max_abs_err
         report.layers.append(LayerReport(prefix, imported.source_type, imported.exact, 0.0 if err != err else err, imported.note))
         if not imported.exact:
@@ -318,45 +318,16 @@ def import_gguf_quantized(
             _emit(writer, layers, report, fused_prefix, parts, unfusable)
         quantized = {f"{p}.weight" for p in prefixes}
         for name, t in by_name.items():
-            if name in quantized:
-                continue
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            try:
-                dense = gguf_quants.dequantize(t.data, t.tensor_type)
-            except (ValueError, NotImplementedError) as e:
-                raise CorruptFileError(f"{path}: tensor {t.name} cannot be dequantized ({e})") from None
-            w = torch.from_numpy(np.asarray(dense, dtype=np.float32).reshape(shape).copy())
-            kind = name.removesuffix(".weight").rsplit(".", 1)[-1]
-            if kind in heads and w.dim() == 2:  # a dense q/k projection still carries the permutation
-                w = w[unpermute_rope_rows(w.shape[0], heads[kind])]
-            writer.add(name, w)
+            if name not in quantized:  # dequantized (and q/k un-permuted) as import-gguf does
+                writer.add(name, torch.from_numpy(gi._dequantized(t, cfg).copy()))
         writer.close()
         report.bits_per_weight = _bits_per_weight(iter(written))
         source = {"format": "gguf", "importer_version": IMPORTER_VERSION, "path": str(path)}
-        (tmp / "config.json").write_text(json.dumps(_finish_config(cfg, layers, report.bits_per_weight, source), indent=2))
-        _write_tokenizer_files(meta, cfg, tokenizer, tmp)
+        (tmp / "config.json").write_text(json.dumps(_finish_config(cfg, layers, report.bits_per_weight, source), indent=2) + "\n")
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+        gen_cfg = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
+        (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
 
     _write_atomically(out, overwrite, fill)
     return report
-
-
-def _write_tokenizer_files(meta: dict[str, Any], cfg: dict[str, Any], tokenizer: Any, out: Path) -> None:
-    """tokenizer.json, tokenizer_config.json, generation_config.json as halfbyte.io.gguf_import
-    writes them (kept in step by tests/test_import_quantized.py comparing the two)."""
-    tokens = list(meta["tokenizer.ggml.tokens"])
-
-    def token(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
-
-    tok_cfg = {
-        "bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"),
-        "pad_token": token("padding"), "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "model_max_length": cfg["max_position_embeddings"],
-    }
-    if "tokenizer.chat_template" in meta:
-        tok_cfg["chat_template"] = meta["tokenizer.chat_template"]
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
-    gen_cfg = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
-    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))

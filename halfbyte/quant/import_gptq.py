@@ -169,6 +169,11 @@ def gptq_to_quant_weight(
         raise QuantizationError(f"{where}: scales must be [groups, {n}], got {list(scales.shape)}")
     if group_size != -1 and group_size <= 0:
         raise QuantizationError(f"{where}: bad group size {group_size}")
+    expect_groups = 1 if group_size == -1 else math.ceil(k / group_size)
+    if scales.shape[0] != expect_groups:
+        raise QuantizationError(
+            f"{where}: scales has {scales.shape[0]} groups; K = {k} with group size {group_size} needs {expect_groups}"
+        )
     zeros = unpack_along_n(qzeros, bits, n, where).to(torch.int64)
     if zeros.shape[0] != scales.shape[0]:
         raise QuantizationError(f"{where}: qzeros has {zeros.shape[0]} groups, scales {scales.shape[0]}")
