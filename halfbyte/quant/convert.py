@@ -1,0 +1,584 @@
+"""Hugging Face checkpoint -> halfbyte quantized directory: layer-by-layer GPTQ with a measured
+mixed-bit allocation to a bits-per-weight budget.
+
+Two passes over the decoder layers, each holding one layer's weights and the calibration
+activations (the residual stream entering the layer, [tokens, hidden]):
+
+1. measure: every candidate setting (measure.default_candidates) of every matrix (fused qkv,
+   o_proj, fused gate_up, down_proj) is quantized against its Hessian and its relative error
+   recorded; the stream goes on through the float layer.
+2. after measure.allocate picks one candidate per matrix within the budget, quantize: GPTQ
+   with the chosen settings, "true sequential" (o_proj's Hessian comes from the quantized qkv
+   output, and so on), and the stream goes on through the quantized layer.
+
+Every finished layer is saved atomically under OUT.partial/, with the stream after it, so a
+killed conversion resumes from its last finished layer and writes byte-identical files; OUT
+itself appears only when complete (written as a temporary directory, then renamed)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from halfbyte.errors import CorruptFileError, HalfbyteError
+from halfbyte.io.model_dir import read_json, resolve_model_dir
+from halfbyte.io.safetensors_files import safetensors_files
+from halfbyte.kernels.activation import silu_and_mul
+from halfbyte.kernels.attention import AttentionMetadata
+from halfbyte.kernels.rms_norm import rms_norm
+from halfbyte.model.config import ModelConfig
+from halfbyte.model.llama import Attention
+from halfbyte.model.rope import RotaryEmbedding
+from halfbyte.quant import calibration
+from halfbyte.quant.gptq import HessianAccumulator
+from halfbyte.quant.measure import Candidate, allocate, default_candidates, measure_candidates, quantize_candidate, storage_bits
+from halfbyte.quant.packing import SUPPORTED_BITS
+from halfbyte.quant.qtensor import ALLOWED_GROUP_SIZES, FORMAT_VERSION, QuantWeight
+
+UNITS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+_PARTS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+_STATE_VERSION = 1
+# files besides the weights and config that a model directory carries over (plus tokenizer*)
+_COPIED = ("generation_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
+_PAGE = 16
+_ROWS = 4096  # tokens per chunk of the big per-token matmuls (bounds [rows, 2 * intermediate])
+
+
+class ConversionError(HalfbyteError):
+    """The conversion cannot run with these inputs (bad budget, existing output, stale state)."""
+
+
+@dataclass
+class ConvertOptions:
+    bits: float  # bits-per-weight budget over the decoder layers' matrices
+    group_size: int | None = None  # None: the allocator chooses among 32, 64, 128 per matrix
+    head_bits: int | None = None  # None: the LM head stays dense
+    act_order: bool = True
+    calib_files: tuple[str, ...] = ()
+    seq_len: int = 512  # calibration window length, tokens
+    num_windows: int = 32
+    sample_tokens: int = 384  # tokens sampled per prompt when the model writes its own calibration text
+    damp: float = 0.01
+    measure_rows: int = 256  # rows sampled per matrix in the measurement pass
+    show_progress: bool = True
+    candidates: tuple[Candidate, ...] | None = None  # None: measure.default_candidates(group_size)
+    # test hook: called after each finished layer as (pass name, layer index)
+    after_layer: Callable[[str, int], None] | None = field(default=None, repr=False, compare=False)
+
+    def validate(self) -> None:
+        b = self.bits
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b) or not 2.0 <= b <= 8.0:
+            raise ConversionError(f"--bits must be a budget between 2 and 8 bits per weight, got {b!r}")
+        if self.group_size is not None and self.group_size not in ALLOWED_GROUP_SIZES:
+            raise ConversionError(f"--group-size must be one of {ALLOWED_GROUP_SIZES}, got {self.group_size}")
+        if self.head_bits is not None and self.head_bits not in SUPPORTED_BITS:
+            raise ConversionError(f"--head-bits must be one of {SUPPORTED_BITS}, got {self.head_bits}")
+        if self.seq_len < 16 or self.num_windows < 1:
+            raise ConversionError("calibration needs windows of at least 16 tokens and at least 1 window")
+
+
+@dataclass
+class ConvertResult:
+    out_dir: Path
+    bits_per_weight: float  # decoder matrices, every stored bit
+    total_bits_per_weight: float  # every quantized matrix including a quantized head
+    seconds: float
+    choices: dict[str, str]  # matrix prefix -> candidate name
+    errors: dict[str, float]  # matrix prefix -> relative error of the final quantization
+
+
+# --- checkpoint access ------------------------------------------------------------------------
+
+
+class TensorSource:
+    """Single tensors of a (sharded) safetensors checkpoint. Every read opens and closes its
+    file: no mapping of the whole checkpoint stays resident while layers are processed."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.where: dict[str, Path] = {}
+        for path in safetensors_files(model_dir):
+            with self._open(path) as f:
+                for name in f.keys():
+                    self.where[name] = path
+
+    @staticmethod
+    def _open(path: Path) -> Any:
+        try:
+            return safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise CorruptFileError(f"{path} is truncated or corrupt ({str(e).splitlines()[0]})") from None
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise CorruptFileError(f"checkpoint lacks tensor {name!r}")
+        try:
+            with self._open(self.where[name]) as f:
+                return f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise CorruptFileError(f"{self.where[name]} is truncated or corrupt ({str(e).splitlines()[0]})") from None
+
+    def get_optional(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if self.has(name) else None
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer: fused fp32 matrices and biases, norms in the checkpoint's dtype."""
+
+    matrices: dict[str, torch.Tensor]  # unit -> [N, K] fp32
+    biases: dict[str, torch.Tensor | None]
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+
+
+def read_layer(src: TensorSource, i: int) -> LayerWeights:
+    base = f"model.layers.{i}"
+    matrices: dict[str, torch.Tensor] = {}
+    biases: dict[str, torch.Tensor | None] = {}
+    for unit, parts in _PARTS.items():
+        matrices[unit] = torch.cat([src.get(f"{base}.{p}.weight").float() for p in parts])
+        bs = [src.get_optional(f"{base}.{p}.bias") for p in parts]
+        biases[unit] = torch.cat(bs) if all(b is not None for b in bs) else None  # type: ignore[misc]
+    return LayerWeights(
+        matrices, biases, src.get(f"{base}.input_layernorm.weight"), src.get(f"{base}.post_attention_layernorm.weight")
+    )
+
+
+# --- one decoder layer over the calibration tokens ---------------------------------------------
+
+
+def _hessian(x: torch.Tensor) -> torch.Tensor:
+    acc = HessianAccumulator(x.shape[1])
+    for chunk in x.split(_ROWS):
+        acc.add_batch(chunk)
+    return acc.hessian
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w, b.float() if b is not None else None)
+
+
+def _attention_batches(lengths: list[int], max_tokens: int) -> Iterator[tuple[int, int, list[int]]]:
+    """(first row, end row, sequence lengths) of consecutive sequences up to max_tokens."""
+    start, row, group = 0, 0, []
+    for n in lengths:
+        if group and sum(group) + n > max_tokens:
+            yield start, row, group
+            start, group = row, []
+        group.append(n)
+        row += n
+    if group:
+        yield start, row, group
+
+
+Process = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def run_layer(
+    cfg: ModelConfig,
+    lw: LayerWeights,
+    stream: torch.Tensor,  # [T, hidden] fp32 residual stream entering the layer
+    lengths: list[int],
+    rotary: RotaryEmbedding,
+    process: Process,
+) -> torch.Tensor:
+    """The layer on every calibration token, true-sequential: before each matrix is used,
+    process(unit, H, W) sees its Hessian and returns the weight to compute with (the float one
+    when measuring, the dequantized one when quantizing). Returns the stream after the layer."""
+    eps = cfg.rms_norm_eps
+    x1 = rms_norm(stream, lw.input_norm.float(), eps)
+    w_qkv = process(UNITS[0], _hessian(x1), lw.matrices[UNITS[0]])
+    attn = Attention(cfg, torch.float32, torch.device("cpu"))
+    attn.qkv_proj.weight = nn.Parameter(w_qkv, False)
+    attn.qkv_proj.bias = nn.Parameter(lw.biases[UNITS[0]].float(), False) if lw.biases[UNITS[0]] is not None else None
+    attn.o_proj = nn.Identity()  # type: ignore[assignment]  # we want o_proj's input
+    o_in = torch.empty(stream.shape[0], cfg.q_size)  # [T, q_size]
+    with torch.no_grad():
+        for r0, r1, seqs in _attention_batches(lengths, _ROWS):
+            pages = [-(-n // _PAGE) for n in seqs]
+            shape = (sum(pages), _PAGE, cfg.num_kv_heads, cfg.head_dim)
+            kv = (torch.zeros(shape), torch.zeros(shape))
+            tables = torch.zeros(len(seqs), max(pages), dtype=torch.int32)
+            slots, positions, p0 = [], [], 0
+            for b, (n, np_) in enumerate(zip(seqs, pages, strict=True)):
+                tables[b, :np_] = torch.arange(p0, p0 + np_, dtype=torch.int32)
+                slots.append(torch.arange(n) + p0 * _PAGE)
+                positions.append(torch.arange(n))
+                p0 += np_
+            pos = torch.cat(positions)
+            starts = [0]
+            for n in seqs:
+                starts.append(starts[-1] + n)
+            meta = AttentionMetadata(query_start=starts, seq_lens=list(seqs), block_tables=tables, slot_mapping=torch.cat(slots))
+            cos, sin = rotary.cos_sin(pos, seq_len=max(seqs))
+            o_in[r0:r1] = attn(x1[r0:r1], cos, sin, kv, meta)
+    del x1
+    w_o = process(UNITS[1], _hessian(o_in), lw.matrices[UNITS[1]])
+    h2 = stream + _linear(o_in, w_o, lw.biases[UNITS[1]])
+    del o_in
+    x2 = rms_norm(h2, lw.post_norm.float(), eps)
+    w_gu = process(UNITS[2], _hessian(x2), lw.matrices[UNITS[2]])
+    act = torch.cat([silu_and_mul(_linear(c, w_gu, lw.biases[UNITS[2]])) for c in x2.split(_ROWS)])  # [T, inter]
+    del x2
+    w_d = process(UNITS[3], _hessian(act), lw.matrices[UNITS[3]])
+    return h2 + _linear(act, w_d, lw.biases[UNITS[3]])
+
+
+# --- state under OUT.partial/ -----------------------------------------------------------------
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _atomic_json(path: Path, obj: Any) -> None:
+    _atomic_write_bytes(path, json.dumps(obj, indent=1).encode())
+
+
+def _atomic_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def _save_stream(path: Path, next_layer: int, stream: torch.Tensor) -> None:
+    _atomic_tensors(path, {"stream": stream}, {"next_layer": str(next_layer)})
+
+
+def _load_stream(path: Path) -> tuple[int, torch.Tensor] | None:
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        next_layer = int(f.metadata()["next_layer"])
+        return next_layer, f.get_tensor("stream")
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fingerprint(model_dir: Path, opts: ConvertOptions) -> dict[str, Any]:
+    return {
+        "state_version": _STATE_VERSION,
+        "model": str(model_dir.resolve()),
+        "weights": sorted((p.name, p.stat().st_size) for p in safetensors_files(model_dir)),
+        "bits": opts.bits,
+        "group_size": opts.group_size,
+        "head_bits": opts.head_bits,
+        "act_order": opts.act_order,
+        "calib": [[str(p), _file_digest(Path(p))] for p in opts.calib_files],
+        "seq_len": opts.seq_len,
+        "num_windows": opts.num_windows,
+        "damp": opts.damp,
+        "measure_rows": opts.measure_rows,
+        "sample_tokens": opts.sample_tokens,
+        "candidates": [c.to_json() for c in opts.candidates] if opts.candidates else None,
+    }
+
+
+# --- the conversion -----------------------------------------------------------------------------
+
+
+def _unit_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    return {
+        UNITS[0]: (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
+        UNITS[1]: (cfg.hidden_size, cfg.q_size),
+        UNITS[2]: (2 * cfg.intermediate_size, cfg.hidden_size),
+        UNITS[3]: (cfg.hidden_size, cfg.intermediate_size),
+    }
+
+
+def _check_budget(cfg: ModelConfig, cands: list[Candidate], opts: ConvertOptions) -> None:
+    shapes = _unit_shapes(cfg)
+    for n, k in shapes.values():
+        if k % 32:
+            raise ConversionError(f"in_features {k} is not a multiple of 32; the format cannot store it")
+    weights = sum(n * k for n, k in shapes.values())
+    least = sum(min(storage_bits(c, n, k, opts.act_order) for c in cands) for n, k in shapes.values())
+    if opts.bits * weights < least:
+        raise ConversionError(
+            f"--bits {opts.bits} is below the {least / weights:.3f} bits per weight that the smallest "
+            "setting (2 bits with its group scales" + (", act-order permutation" if opts.act_order else "") + ") needs"
+        )
+
+
+def _calibration(model_dir: Path, tokenizer: Any, opts: ConvertOptions, docs: list[str] | None) -> list[list[int]]:
+    if docs is not None:
+        streams = calibration.tokenize_texts(docs, tokenizer)
+    else:
+        streams = calibration.sample_model_tokens(model_dir, max_tokens=opts.sample_tokens)
+    return calibration.calibration_windows(streams, opts.seq_len, opts.num_windows, tokenizer.eos_token_id)
+
+
+def _progress(show: bool) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"), console=Console(stderr=True), disable=not show,
+    )
+
+
+def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> ConvertResult:
+    """Convert the float checkpoint `model` into a quantized directory `out` (see module doc)."""
+    from halfbyte.io.tokenizer import Tokenizer
+
+    t_start = time.perf_counter()
+    opts.validate()
+    out_dir = Path(out)
+    if out_dir.exists():
+        raise ConversionError(f"{out_dir} already exists; choose a new output directory")
+    model_dir = resolve_model_dir(model)
+    hf_cfg = read_json(model_dir / "config.json")
+    if "quantization" in hf_cfg:
+        raise ConversionError(f"{model_dir} is already quantized; convert its float checkpoint")
+    cfg = ModelConfig.from_hf(hf_cfg)
+    cands = list(opts.candidates) if opts.candidates else default_candidates(opts.group_size)
+    _check_budget(cfg, cands, opts)
+    docs = calibration.read_calibration_texts(opts.calib_files) if opts.calib_files else None
+    src = TensorSource(model_dir)
+    tokenizer = Tokenizer(model_dir)
+
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    fingerprint = json.loads(json.dumps(_fingerprint(model_dir, opts)))  # as it reads back
+    if partial.exists():
+        state_file = partial / "state.json"
+        if not state_file.is_file() or json.loads(state_file.read_text()) != fingerprint:
+            raise ConversionError(
+                f"{partial} holds an unfinished conversion with other settings or another model; "
+                "delete it, or rerun with the same arguments to resume"
+            )
+    else:
+        partial.mkdir(parents=True)
+        _atomic_json(partial / "state.json", fingerprint)
+    (partial / "measure").mkdir(exist_ok=True)
+    (partial / "quant").mkdir(exist_ok=True)
+
+    calib_file = partial / "calibration.json"
+    if not calib_file.is_file():
+        _atomic_json(calib_file, _calibration(model_dir, tokenizer, opts, docs))
+    windows: list[list[int]] = json.loads(calib_file.read_text())
+    lengths = [len(w) for w in windows]
+    rotary = RotaryEmbedding(
+        cfg.rope_scaling, cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, torch.device("cpu"), torch.float32
+    )
+
+    def embed() -> torch.Tensor:
+        table = src.get("model.embed_tokens.weight")
+        return table[torch.tensor([t for w in windows for t in w])].float()  # [T, hidden]
+
+    shapes = _unit_shapes(cfg)
+    with _progress(opts.show_progress) as progress:
+        console = progress.console
+        console.print(
+            f"calibration: {len(windows)} windows, {sum(lengths)} tokens; {len(cands)} candidates per matrix "
+            f"[{time.perf_counter() - t_start:.0f} s]"
+        )
+
+        # pass 1: measurement
+        task = progress.add_task("measure", total=cfg.num_layers, info="")
+        resumed = _load_stream(partial / "measure" / "stream.safetensors")
+        first, stream = resumed if resumed is not None else (0, embed())
+        progress.update(task, completed=first)
+        for i in range(first, cfg.num_layers):
+            lw = read_layer(src, i)
+            errors: dict[str, list[float]] = {}
+
+            def measure(unit: str, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                errors[unit] = measure_candidates(
+                    w, h, cands, act_order=opts.act_order, damp=opts.damp, max_rows=opts.measure_rows
+                )
+                return w
+
+            stream = run_layer(cfg, lw, stream, lengths, rotary, measure)
+            _atomic_json(partial / "measure" / f"layer_{i:05d}.json", errors)
+            _save_stream(partial / "measure" / "stream.safetensors", i + 1, stream)
+            ref = next((j for j, c in enumerate(cands) if c.parts == ((1.0, 4),)), 0)
+            info = "  ".join(f"{u.split('.')[1].removesuffix('_proj')} {errors[u][ref]:.2e}" for u in UNITS)
+            progress.update(task, advance=1, info=f"4-bit error {info}")
+            if opts.after_layer is not None:
+                opts.after_layer("measure", i)
+        del stream
+
+        # allocation
+        prefixes, costs, errs = [], [], []
+        for i in range(cfg.num_layers):
+            measured = json.loads((partial / "measure" / f"layer_{i:05d}.json").read_text())
+            for unit in UNITS:
+                n, k = shapes[unit]
+                prefixes.append(f"model.layers.{i}.{unit}")
+                costs.append([storage_bits(c, n, k, opts.act_order) for c in cands])
+                errs.append(measured[unit])
+        total_weights = cfg.num_layers * sum(n * k for n, k in shapes.values())
+        picks = allocate(costs, errs, opts.bits * total_weights)
+        chosen = {p: cands[j] for p, j in zip(prefixes, picks, strict=True)}
+        used = sum(c[j] for c, j in zip(costs, picks, strict=True))
+        console.print(
+            f"allocation: {used / total_weights:.4f} bits per weight (budget {opts.bits}) [{time.perf_counter() - t_start:.0f} s]"
+        )
+
+        # pass 2: quantization
+        task = progress.add_task("quantize", total=cfg.num_layers, info="")
+        resumed = _load_stream(partial / "quant" / "stream.safetensors")
+        first, stream = resumed if resumed is not None else (0, embed())
+        progress.update(task, completed=first)
+        for i in range(first, cfg.num_layers):
+            lw = read_layer(src, i)
+            qweights: dict[str, QuantWeight] = {}
+            rel: dict[str, float] = {}
+
+            def quantize(unit: str, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                qw, loss = quantize_candidate(w, h, chosen[f"model.layers.{i}.{unit}"], act_order=opts.act_order, damp=opts.damp)
+                signal = 0.5 * float(((w @ h) * w).sum())
+                qweights[unit], rel[unit] = qw, (loss / signal if signal > 0 else 0.0)
+                return qw.dequantize()
+
+            stream = run_layer(cfg, lw, stream, lengths, rotary, quantize)
+            tensors: dict[str, torch.Tensor] = {
+                f"model.layers.{i}.input_layernorm.weight": lw.input_norm,
+                f"model.layers.{i}.post_attention_layernorm.weight": lw.post_norm,
+            }
+            for unit in UNITS:
+                prefix = f"model.layers.{i}.{unit}"
+                tensors.update(qweights[unit].to_state_dict(prefix))
+                if lw.biases[unit] is not None:
+                    tensors[f"{prefix}.bias"] = lw.biases[unit]  # type: ignore[assignment]
+            _atomic_tensors(partial / "quant" / f"layer_{i:05d}.safetensors", tensors)
+            _atomic_json(partial / "quant" / f"layer_{i:05d}.json", {u: {"meta": qweights[u].meta(), "rel_error": rel[u]} for u in UNITS})
+            _save_stream(partial / "quant" / "stream.safetensors", i + 1, stream)
+            info = "  ".join(f"{u.split('.')[1].removesuffix('_proj')} {chosen[f'model.layers.{i}.{u}'].name} {rel[u]:.1e}" for u in UNITS)
+            progress.update(task, advance=1, info=info)
+            if opts.after_layer is not None:
+                opts.after_layer("quantize", i)
+
+        # the head (quantized against the final hidden states) and the dense remainder
+        rest: dict[str, torch.Tensor] = {"model.embed_tokens.weight": src.get("model.embed_tokens.weight"),
+                                         "model.norm.weight": src.get("model.norm.weight")}
+        head_meta: dict[str, Any] = {}
+        if opts.head_bits is not None:
+            head_file = partial / "head.safetensors"
+            if not head_file.is_file():
+                x = rms_norm(stream, rest["model.norm.weight"].float(), cfg.rms_norm_eps)
+                w_head = (src.get("lm_head.weight") if src.has("lm_head.weight") and not cfg.tie_word_embeddings
+                          else rest["model.embed_tokens.weight"]).float()
+                cand = Candidate(((1.0, opts.head_bits),), opts.group_size or 128)
+                qw, _ = quantize_candidate(w_head, _hessian(x), cand, act_order=opts.act_order, damp=opts.damp)
+                _atomic_tensors(head_file, qw.to_state_dict("lm_head"), {"meta": json.dumps(qw.meta())})
+            with safe_open(str(head_file), framework="pt") as f:
+                head_meta = json.loads(f.metadata()["meta"])
+                rest.update({k: f.get_tensor(k) for k in f.keys()})
+        elif not cfg.tie_word_embeddings:
+            rest["lm_head.weight"] = src.get("lm_head.weight")
+        del stream
+        console.print(f"quantized [{time.perf_counter() - t_start:.0f} s]")
+        result = _assemble(model_dir, out_dir, partial, hf_cfg, cfg, rest, head_meta, opts)
+
+    result.seconds = time.perf_counter() - t_start
+    result.choices = {p: c.name for p, c in chosen.items()}
+    return result
+
+
+def _meta_storage_bits(meta: dict[str, Any]) -> int:
+    """QuantWeight.storage_bits() from a layer's metadata (docs/format.md's accounting)."""
+    n = meta["out_features"]
+    total = 32 * meta["in_features"] if meta["act_order"] else 0
+    for s in meta["slices"]:
+        width = s["k_end"] - s["k_start"]
+        total += width * s["bits"] * n + 32 * math.ceil(width / s["group_size"]) * n
+    return total
+
+
+def _assemble(
+    model_dir: Path,
+    out_dir: Path,
+    partial: Path,
+    hf_cfg: dict[str, Any],
+    cfg: ModelConfig,
+    rest: dict[str, torch.Tensor],
+    head_meta: dict[str, Any],
+    opts: ConvertOptions,
+) -> ConvertResult:
+    """Write the finished directory as OUT.tmp, rename it to OUT, drop OUT.partial."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    num_files = cfg.num_layers + 1
+    weight_map: dict[str, str] = {}
+    layers_meta: dict[str, Any] = {}
+    errors: dict[str, float] = {}
+    q_bits = q_weights = 0
+    for i in range(cfg.num_layers):
+        name = f"model-{i + 1:05d}-of-{num_files:05d}.safetensors"
+        shutil.copyfile(partial / "quant" / f"layer_{i:05d}.safetensors", tmp / name)
+        info = json.loads((partial / "quant" / f"layer_{i:05d}.json").read_text())
+        for unit in UNITS:
+            prefix = f"model.layers.{i}.{unit}"
+            layers_meta[prefix] = info[unit]["meta"]
+            errors[prefix] = info[unit]["rel_error"]
+        with safe_open(str(tmp / name), framework="pt") as f:
+            for key in f.keys():
+                weight_map[key] = name
+    for meta in layers_meta.values():
+        q_bits += _meta_storage_bits(meta)
+        q_weights += meta["out_features"] * meta["in_features"]
+    decoder_bpw = q_bits / q_weights
+    name = f"model-{num_files:05d}-of-{num_files:05d}.safetensors"
+    save_file({k: v.contiguous() for k, v in rest.items()}, str(tmp / name))
+    weight_map.update(dict.fromkeys(rest, name))
+    if head_meta:
+        layers_meta["lm_head"] = head_meta
+        head = QuantWeight.from_state_dict("lm_head", rest, head_meta)
+        q_bits += head.storage_bits()
+        q_weights += head.out_features * head.in_features
+    total_bpw = q_bits / q_weights
+    index = {"metadata": {"total_size": sum((tmp / f).stat().st_size for f in set(weight_map.values()))},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    new_cfg = dict(hf_cfg)
+    if head_meta and cfg.tie_word_embeddings:
+        new_cfg["tie_word_embeddings"] = False  # the quantized head is now its own tensor
+    new_cfg["quantization"] = {
+        "quant_method": "halfbyte",
+        "format_version": FORMAT_VERSION,
+        "bits_per_weight": round(total_bpw, 4),
+        "budget_bits_per_weight": opts.bits,
+        "calibration": f"{len(json.loads((partial / 'calibration.json').read_text()))} windows of up to {opts.seq_len} tokens, "
+        + ("files " + ", ".join(Path(p).name for p in opts.calib_files) if opts.calib_files else "sampled from the model"),
+        "layers": layers_meta,
+    }
+    (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2))
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file() and (f.name in _COPIED or f.name.startswith("tokenizer")):
+            shutil.copyfile(f, tmp / f.name)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(partial)
+    return ConvertResult(out_dir, decoder_bpw, total_bpw, 0.0, {}, errors)

@@ -1,0 +1,311 @@
+"""Measured mixed-bit allocation: candidate settings per layer, their measured error, and the
+optimiser that picks one candidate per layer within a bits-per-weight budget.
+
+A candidate is a list of K-slices (fraction of K, bits) at one group size: uniform ("4 bits,
+group 128") or EXL2-style mixed ("the first 25 % of the act-order columns at 5 bits, the rest
+at 4"). With act-order the first stored columns are those with the largest input energy, so the
+high-bit slice goes where rounding errors cost most.
+
+The error of a candidate is GPTQ's proxy loss normalised by the layer's output energy:
+
+    rel_err = ||X (W - Wq)^T||^2_F / ||X W^T||^2_F
+
+the noise-to-signal power ratio of the layer's output on the calibration tokens. Normalising
+makes layers comparable (the residual stream grows with depth, so absolute errors are not);
+the optimiser minimises the sum of rel_err over all layers subject to the storage budget.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+from halfbyte.errors import QuantizationError
+from halfbyte.quant.gptq import _inverse_cholesky_upper, gptq_quantize
+from halfbyte.quant.packing import BLOCK_K, SUPPORTED_BITS
+from halfbyte.quant.qtensor import QuantSlice, QuantWeight
+from halfbyte.quant.rtn import group_params
+
+PER_CHANNEL = 0  # group_size 0 in a Candidate: one group per slice (the slice width)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One quantization setting of a layer: `parts` are (fraction of K, bits) in stored order;
+    fractions are rounded to multiples of 32 columns when resolved for a K."""
+
+    parts: tuple[tuple[float, int], ...]
+    group_size: int
+
+    @property
+    def name(self) -> str:
+        g = "pc" if self.group_size == PER_CHANNEL else f"g{self.group_size}"
+        if len(self.parts) == 1:
+            return f"{self.parts[0][1]}b {g}"
+        return "+".join(f"{round(f * 100)}%{b}b" for f, b in self.parts) + f" {g}"
+
+    def slices(self, k: int) -> list[tuple[int, int, int, int]]:
+        """Concrete (k_start, k_end, bits, group_size) for a weight with K = k columns; a part
+        that would round to zero width is dropped."""
+        blocks = k // BLOCK_K
+        bounds = [0]
+        acc = 0.0
+        for frac, _ in self.parts[:-1]:
+            acc += frac
+            bounds.append(max(bounds[-1], min(blocks, round(acc * blocks))))
+        bounds.append(blocks)
+        out = []
+        for (_, bits), b0, b1 in zip(self.parts, bounds[:-1], bounds[1:], strict=True):
+            if b1 > b0:
+                width = (b1 - b0) * BLOCK_K
+                gs = width if self.group_size == PER_CHANNEL or self.group_size >= width else self.group_size
+                out.append((b0 * BLOCK_K, b1 * BLOCK_K, bits, gs))
+        return out
+
+    def to_json(self) -> dict[str, object]:
+        return {"parts": [list(p) for p in self.parts], "group_size": self.group_size}
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> Candidate:
+        parts = tuple((float(f), int(b)) for f, b in d["parts"])  # type: ignore[union-attr]
+        return cls(parts, int(d["group_size"]))  # type: ignore[arg-type]
+
+
+def default_candidates(group_size: int | None = None) -> list[Candidate]:
+    """Uniform 2-8 bits at groups 32/64/128 (6 and 8 bits also per-channel), and two-slice mixes
+    of b+1 / b bits (and 4 / 2, 8 / 6) with 10, 25 or 50 % of K at the higher width, at group 128. `group_size`
+    restricts every candidate to that group size."""
+    groups = (32, 64, 128) if group_size is None else (group_size,)
+    cands = [Candidate(((1.0, b),), g) for b in SUPPORTED_BITS for g in groups]
+    if group_size is None:
+        cands += [Candidate(((1.0, b),), PER_CHANNEL) for b in (6, 8)]
+    mix_groups = (128,) if group_size is None else (group_size,)
+    for lo, hi in ((2, 3), (3, 4), (4, 5), (5, 6), (2, 4), (6, 8)):
+        for frac in (0.1, 0.25, 0.5):
+            for g in mix_groups:
+                cands.append(Candidate(((frac, hi), (1.0 - frac, lo)), g))
+    return cands
+
+
+def storage_bits(cand: Candidate, n: int, k: int, act_order: bool) -> int:
+    """QuantWeight.storage_bits() of the weight this candidate makes, from shapes alone."""
+    total = 32 * k if act_order else 0
+    for k0, k1, bits, gs in cand.slices(k):
+        width = k1 - k0
+        total += width * bits * n + 32 * math.ceil(width / gs) * n
+    return total
+
+
+def _prepare(w: torch.Tensor, hessian: torch.Tensor, act_order: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """gptq_quantize's preprocessing: dead inputs zeroed with a unit diagonal, act-order
+    permutation by descending input energy. Returns (weight, H, perm) in stored order."""
+    h = hessian.float().clone()
+    weight = w.float().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    weight[:, dead] = 0.0
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diag(h), descending=True, stable=True)
+        weight = weight[:, perm]
+        h = h[perm][:, perm]
+    return weight, h, perm
+
+
+def measure_candidates(
+    w: torch.Tensor,
+    hessian: torch.Tensor,
+    candidates: list[Candidate],
+    *,
+    act_order: bool = True,
+    damp: float = 0.01,
+    max_rows: int = 256,
+    block_size: int = 32,
+    seed: int = 0,
+) -> list[float]:
+    """Relative error (module docstring) of every candidate on w [N, K] with H [K, K].
+
+    All candidates run through one GPTQ sweep over the columns, batched along a leading
+    candidate axis (per-column Python overhead dominates GPTQ on small layers). GPTQ treats rows
+    independently, so a fixed random sample of `max_rows` rows estimates the ratio. The sweep
+    is gptq_quantize's algorithm with bits and group boundaries per candidate; for a uniform
+    candidate it reproduces gptq_quantize's loss on the same rows."""
+    if not candidates:
+        raise QuantizationError("no candidates to measure")
+    n, k = w.shape
+    if n > max_rows:
+        rows = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:max_rows].sort().values
+        w = w[rows]
+    h_orig = hessian.float()
+    signal = float(((w.float() @ h_orig) * w.float()).sum())  # ||X W^T||^2 * 2 on these rows
+    if signal <= 0:
+        return [0.0] * len(candidates)
+    weight, h, perm = _prepare(w, hessian, act_order)
+    hinv = _inverse_cholesky_upper(h, damp)
+    c = len(candidates)
+    rows_n = weight.shape[0]
+
+    # per candidate and stored column: max q, and whether a new group starts there (group end)
+    maxq = torch.empty(c, k)
+    group_end = [dict[int, int]() for _ in range(c)]
+    for ci, cand in enumerate(candidates):
+        for k0, k1, bits, gs in cand.slices(k):
+            maxq[ci, k0:k1] = (1 << bits) - 1
+            for g0 in range(k0, k1, gs):
+                group_end[ci][g0] = min(g0 + gs, k1)
+    starts: dict[int, list[int]] = {}
+    for ci in range(c):
+        for col in group_end[ci]:
+            starts.setdefault(col, []).append(ci)
+
+    # columns first ([C, K, n]): every per-column op then reads contiguous memory
+    wc = weight.t().unsqueeze(0).repeat(c, 1, 1)  # [C, K, n], error-updated weights
+    deq = torch.empty_like(wc)  # [C, K, n] dequantized values, stored order
+    scale = torch.ones(c, rows_n)
+    mn = torch.zeros(c, rows_n)
+    for b0 in range(0, k, block_size):
+        b1 = min(b0 + block_size, k)
+        block = wc[:, b0:b1].clone()  # [C, B, n]
+        err = torch.empty_like(block)
+        hblock = hinv[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            col = b0 + i
+            for ci in starts.get(col, ()):
+                g_end = group_end[ci][col]
+                cols = block[ci, i : min(g_end, b1) - b0]
+                if g_end > b1:
+                    cols = torch.cat([cols, wc[ci, b1:g_end]], dim=0)
+                bits = int(maxq[ci, col]).bit_length()
+                scale[ci], mn[ci] = group_params(cols.t(), bits)
+            wcol = block[:, i]  # [C, n]
+            q = torch.minimum(torch.clamp(torch.round((wcol - mn) / scale), min=0), maxq[:, col : col + 1])
+            dq = q * scale + mn
+            deq[:, col] = dq
+            e = (wcol - dq) / hblock[i, i]
+            block[:, i:] -= hblock[i, i:, None] * e[:, None, :]
+            err[:, i] = e
+        if b1 < k:
+            wc[:, b1:] -= torch.matmul(hinv[b0:b1, b1:].t(), err)
+
+    w_stored = w.float()[:, perm] if perm is not None else w.float()
+    h_stored = h_orig[perm][:, perm] if perm is not None else h_orig
+    delta = w_stored.t().unsqueeze(0) - deq  # [C, K, n]
+    losses = (torch.matmul(h_stored, delta) * delta).sum(dim=(1, 2))
+    return [float(x) / signal for x in losses]
+
+
+def quantize_candidate(
+    w: torch.Tensor, hessian: torch.Tensor, cand: Candidate, *, act_order: bool = True, damp: float = 0.01
+) -> tuple[QuantWeight, float]:
+    """Quantize w [N, K] with one candidate through gptq_quantize; returns (weight, proxy loss
+    as gptq_quantize defines it).
+
+    A multi-slice candidate runs gptq_quantize once per slice, in stored order: slice s sees
+    the Schur complement of the later columns' Hessian (the error they can still absorb, which
+    is what one GPTQ sweep over all columns accounts for), and after it is quantized the later
+    columns take the optimal compensating update W_rest += D_s H_s,rest H_rest,rest^-1."""
+    n, k = w.shape
+    spec = cand.slices(k)
+    if len(spec) == 1:
+        _, _, bits, gs = spec[0]
+        return gptq_quantize(w, hessian, bits, gs, damp=damp, act_order=act_order)
+    weight, h, perm = _prepare(w, hessian, act_order)
+    # one absolute damping for every slice, as a single sweep over H + lam * I would apply
+    lam = damp * float(torch.diag(h).mean())
+    slices: list[QuantSlice] = []
+    for k0, k1, bits, gs in spec:
+        h_ss = h[k0:k1, k0:k1]
+        if k1 < k:
+            chol = torch.linalg.cholesky(h[k1:, k1:] + lam * torch.eye(k - k1))
+            solved = torch.cholesky_solve(h[k1:, k0:k1], chol)  # [rest, s] = (H_rr + lam)^-1 H_rs
+            h_ss = h_ss - h[k0:k1, k1:] @ solved
+            h_ss = (h_ss + h_ss.t()) / 2
+        slice_damp = lam / max(float(torch.diag(h_ss).mean()), 1e-30)
+        qw, _ = gptq_quantize(weight[:, k0:k1], h_ss, bits, gs, damp=slice_damp)
+        s = qw.slices[0]
+        slices.append(QuantSlice(k0, k1, bits, gs, s.qweight, s.scales, s.mins))
+        if k1 < k:
+            d = weight[:, k0:k1] - qw.dequantize()  # [N, s]
+            weight[:, k1:] += d @ solved.t()
+    perm32 = perm.to(torch.int32) if perm is not None else None
+    qw = QuantWeight(n, k, slices, perm32)
+    delta = w.float() - qw.dequantize()
+    loss = 0.5 * float(((delta @ hessian.float()) * delta).sum())
+    return qw, loss
+
+
+# --- the optimiser ------------------------------------------------------------------------------
+
+
+def allocate(costs: list[list[int]], errors: list[list[float]], budget_bits: float) -> list[int]:
+    """Pick one candidate per layer (index into its lists) minimising sum(errors) subject to
+    sum(costs) <= budget_bits.
+
+    Greedy marginal gain on each layer's lower convex hull of (cost, error), which is the
+    Lagrangian relaxation's solution path, then a fill pass that spends what is left on the
+    single upgrade (hull or not) with the largest error reduction until none fits."""
+    if len(costs) != len(errors):
+        raise ValueError("costs and errors differ in length")
+    choice: list[int] = []
+    hulls: list[list[int]] = []
+    for cost, err in zip(costs, errors, strict=True):
+        order = sorted(range(len(cost)), key=lambda i: (cost[i], err[i]))
+        front: list[int] = []  # Pareto front: strictly decreasing error with cost
+        for i in order:
+            if not front or err[i] < err[front[-1]]:
+                if front and cost[i] == cost[front[-1]]:
+                    front.pop()
+                front.append(i)
+        hull: list[int] = []
+        for i in front:
+            while len(hull) >= 2:
+                a, b = hull[-2], hull[-1]
+                # b lies on or above the segment a -> i: not on the lower convex hull
+                if (err[b] - err[a]) * (cost[i] - cost[a]) >= (err[i] - err[a]) * (cost[b] - cost[a]):
+                    hull.pop()
+                else:
+                    break
+            hull.append(i)
+        hulls.append(hull)
+        choice.append(hull[0])
+    used = sum(costs[l][choice[l]] for l in range(len(costs)))
+    if used > budget_bits:
+        raise QuantizationError(f"the budget of {budget_bits:.0f} bits is below the smallest candidate set ({used} bits)")
+
+    def step(layer: int, pos: int) -> tuple[float, int, int, int] | None:
+        hull = hulls[layer]
+        if pos + 1 >= len(hull):
+            return None
+        a, b = hull[pos], hull[pos + 1]
+        gain = (errors[layer][a] - errors[layer][b]) / (costs[layer][b] - costs[layer][a])
+        return (-gain, layer, pos + 1, b)
+
+    heap = [s for l in range(len(costs)) if (s := step(l, 0)) is not None]
+    heapq.heapify(heap)
+    while heap:
+        _, layer, pos, cand = heapq.heappop(heap)
+        extra = costs[layer][cand] - costs[layer][choice[layer]]
+        if used + extra > budget_bits:
+            continue  # this layer's later hull steps cost even more
+        used += extra
+        choice[layer] = cand
+        if (s := step(layer, pos)) is not None:
+            heapq.heappush(heap, s)
+
+    while True:  # fill: the best affordable single upgrade anywhere
+        best: tuple[float, int, int] | None = None
+        for layer, (cost, err) in enumerate(zip(costs, errors, strict=True)):
+            cur = choice[layer]
+            for i in range(len(cost)):
+                if err[i] < err[cur] and used + cost[i] - cost[cur] <= budget_bits:
+                    gain = err[cur] - err[i]
+                    if best is None or gain > best[0]:
+                        best = (gain, layer, i)
+        if best is None:
+            return choice
+        _, layer, i = best
+        used += costs[layer][i] - costs[layer][choice[layer]]
+        choice[layer] = i
