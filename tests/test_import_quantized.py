@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from halfbyte.errors import CorruptFileError, HalfbyteError, QuantizationError, UnsupportedModelError
 from halfbyte.quant.import_awq import awq_to_quant_weight
-from halfbyte.quant.import_checkpoint import convert_if_foreign, import_checkpoint
+from halfbyte.quant.import_checkpoint import convert_if_foreign, fuse, import_checkpoint
 from halfbyte.quant.import_gguf import gguf_to_quant_weight, permute_out, unpermute_rope_rows
 from halfbyte.quant.import_gptq import gptq_to_quant_weight
 from halfbyte.quant.rtn import quantize_rtn
@@ -287,6 +287,23 @@ def test_unpermute_rope_rows_undoes_llama_cpp_permutation() -> None:
     assert not torch.equal(qw.dequantize(), restored.dequantize())
 
 
+def test_fuse_widens_bits_and_splits_groups_exactly() -> None:
+    # a Q4_K_M-like mix: q/k in 4 bits, v requantized from Q6_K to 8 bits; plus a GPTQ g128 part
+    rng = np.random.default_rng(4)
+    q = gguf_to_quant_weight(_random_k_blocks("Q4_K", 64, 256, rng), "Q4_K", (64, 256)).weight
+    v = gguf_to_quant_weight(_random_k_blocks("Q6_K", 32, 256, rng), "Q6_K", (32, 256)).weight
+    qq, z, s, g_idx = _random_case(3, 32, 256, 128, False, rng)
+    t = make_gptq(qq, z, s, g_idx, 3)
+    g = gptq_to_quant_weight(t["qweight"], t["qzeros"], t["scales"], None, 3, 128)
+    fused, note = fuse([q, v, g])
+    assert fused is not None and "stored at 8 bits g32" in note
+    assert (fused.slices[0].bits, fused.slices[0].group_size) == (8, 32)
+    assert torch.equal(fused.dequantize(), torch.cat([q.dequantize(), v.dequantize(), g.dequantize()]))
+    t2 = make_gptq(qq, z, s, np.random.default_rng(9).permutation(256) // 128, 3)
+    g2 = gptq_to_quant_weight(t2["qweight"], t2["qzeros"], t2["scales"], t2["g_idx"], 3, 128)
+    assert fuse([g, g2]) == (None, "act-order permutations differ")
+
+
 # --- whole checkpoints --------------------------------------------------------------------------
 
 PROJ = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -503,3 +520,16 @@ def test_default_model_gguf_imports_exactly_and_matches_the_float_import(default
     ids = list(range(1000, 1040))
     diff = (_logits(out, ids) - _logits(default_model_dir, ids)).abs().max().item()
     assert diff <= 1e-4, diff
+
+
+def test_import_subcommand_prints_the_report(tiny_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from halfbyte.quant.import_checkpoint import add_import_subcommand
+
+    foreign, _ = _write_foreign(tiny_hf, tmp_path, "awq", "none")
+    parser = argparse.ArgumentParser()
+    add_import_subcommand(parser.add_subparsers())
+    args = parser.parse_args(["import", str(foreign), str(tmp_path / "hb")])
+    assert args.func(args) == 0
+    assert "AWQ 4-bit g32 (GEMM)" in capsys.readouterr().out and (tmp_path / "hb" / "config.json").is_file()

@@ -9,9 +9,12 @@ dense under its Hugging Face name, written atomically (temporary directory, then
 
 Fusing needs one bits/group size/act-order permutation for the parts. Bits and group sizes are
 unified exactly (q widened to the largest bits, scales repeated down to the smallest group).
-Permutations cannot be: parts whose act-order permutations differ are written unfused, dense
-float32 with the reference values (`unfusable="dense"`, loads everywhere) or quantized under
-their own names (`unfusable="separate"`, needs the loader to accept unfused parts).
+Permutations cannot be: parts whose act-order permutations differ are written unfused, either
+dense float32 holding exactly their dequantized values (`unfusable="dense"`: loads with today's
+loader and computes what the quantized parts would, at 32 bits per weight) or quantized under
+their own names (`unfusable="separate"`: needs the loader to accept unfused parts). GPTQ derives
+act-order from the diagonal of the layer input's Hessian, which q/k/v (and gate/up) share, so
+their g_idx normally agree and they fuse.
 """
 
 from __future__ import annotations
@@ -26,20 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from halfbyte.errors import CorruptFileError, HalfbyteError, ModelNotFoundError, QuantizationError, UnsupportedModelError
-from halfbyte.quant.import_awq import awq_min_rounding, awq_to_quant_weight
-from halfbyte.quant.import_gptq import gptq_to_quant_weight, max_min_rounding
 from halfbyte.quant.packing import pack, unpack
 from halfbyte.quant.qtensor import FORMAT_VERSION, QuantSlice, QuantWeight, concat_out
 
 IMPORTER_VERSION = 1
 FUSED = {"self_attn": (("q_proj", "k_proj", "v_proj"), "qkv_proj"), "mlp": (("gate_proj", "up_proj"), "gate_up_proj")}
 FOREIGN_METHODS = ("gptq", "awq")
-_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
-_SKIP_FILES = {"config.json", "model.safetensors.index.json", "quantize_config.json", "quant_config.json"}
 SHARD_BYTES = 4 << 30
 
 
@@ -68,6 +66,15 @@ class ImportReport:
             f"max |error| {worst:.3g}, {self.bits_per_weight:.3f} bits per weight"
         ]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def progress(items: list[Any], description: str, show: bool) -> Any:
+    """`items`, tracked by a transient rich progress bar when `show`."""
+    if not show:
+        return items
+    from rich.progress import track
+
+    return track(items, description=description, transient=True)
 
 
 # --- fusing -------------------------------------------------------------------------------------
@@ -103,7 +110,7 @@ def fuse(parts: list[QuantWeight]) -> tuple[QuantWeight | None, str]:
 # --- writing ------------------------------------------------------------------------------------
 
 
-class _ShardWriter:
+class ShardWriter:
     """Collects output tensors and writes safetensors shards of about SHARD_BYTES."""
 
     def __init__(self, out: Path) -> None:
@@ -136,7 +143,7 @@ class _ShardWriter:
             (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
-def _write_atomically(out: Path, overwrite: bool, fill: Any) -> None:
+def write_atomically(out: Path, overwrite: bool, fill: Any) -> None:
     if out.exists() and not overwrite:
         raise HalfbyteError(f"{out} already exists; remove it or choose another output directory")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -156,111 +163,23 @@ def _write_atomically(out: Path, overwrite: bool, fill: Any) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# --- Hugging Face GPTQ / AWQ directories ----------------------------------------------------------
-
-
 def quantization_config(model_dir: Path) -> dict[str, Any] | None:
     """The foreign quantization config of an HF directory (None if it has none)."""
-    cfg = _read_json(model_dir / "config.json")
+    cfg = read_json(model_dir / "config.json")
     qc = cfg.get("quantization_config")
     if qc is None and (model_dir / "quantize_config.json").is_file():  # older AutoGPTQ
-        qc = {"quant_method": "gptq", **_read_json(model_dir / "quantize_config.json")}
+        qc = {"quant_method": "gptq", **read_json(model_dir / "quantize_config.json")}
     if qc is None and (model_dir / "quant_config.json").is_file():  # older AutoAWQ
-        qc = {"quant_method": "awq", **_read_json(model_dir / "quant_config.json")}
+        qc = {"quant_method": "awq", **read_json(model_dir / "quant_config.json")}
     if qc is not None and not isinstance(qc, dict):
         raise CorruptFileError(f"{model_dir / 'config.json'}: quantization_config is not an object")
     return qc
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     from halfbyte.io.model_dir import read_json
 
     return read_json(path)
-
-
-def _int_field(qc: dict[str, Any], *keys: str, default: int | None = None) -> int:
-    for key in keys:
-        if key in qc:
-            v = qc[key]
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise QuantizationError(f"quantization_config.{key} must be an integer, got {v!r}")
-            return v
-    if default is None:
-        raise QuantizationError(f"quantization_config lacks {keys[0]!r}")
-    return default
-
-
-class _TensorSource:
-    """Random access to the tensors of a (sharded) safetensors directory, with clear errors."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from halfbyte.io.safetensors_files import safetensors_files
-
-        self.where: dict[str, Path] = {}
-        for path in safetensors_files(model_dir):
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    for name in f.keys():
-                        self.where[name] = path
-            except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-                raise CorruptFileError(f"{path} is truncated or corrupt ({_first_line(e)})") from None
-
-    def get(self, name: str) -> torch.Tensor:
-        path = self.where.get(name)
-        if path is None:
-            raise CorruptFileError(f"checkpoint lacks tensor {name!r}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                return f.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise CorruptFileError(f"{path} is truncated or corrupt ({_first_line(e)})") from None
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
-def _hf_layer_reader(qc: dict[str, Any], src: _TensorSource) -> tuple[str, Any]:
-    """(description, prefix -> (QuantWeight, LayerReport)) for a GPTQ or AWQ config."""
-    method = str(qc.get("quant_method", "")).lower()
-    if method not in FOREIGN_METHODS:
-        raise UnsupportedModelError(
-            f"quantization_config.quant_method {qc.get('quant_method')!r} is not supported; halfbyte imports {', '.join(FOREIGN_METHODS)}"
-        )
-    bits = _int_field(qc, "bits", "w_bit")
-    group = _int_field(qc, "group_size", "q_group_size", default=-1)
-    if method == "gptq":
-        fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
-        if fmt not in ("gptq", "gptq_v2"):
-            raise UnsupportedModelError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
-        if qc.get("dynamic"):
-            raise UnsupportedModelError("GPTQ 'dynamic' per-module bits/group sizes are not supported")
-        offset = 1 if fmt == "gptq" else 0
-
-        def read(prefix: str) -> tuple[QuantWeight, LayerReport]:
-            g_idx = src.get(f"{prefix}.g_idx") if f"{prefix}.g_idx" in src.where else None
-            qzeros, scales = src.get(f"{prefix}.qzeros"), src.get(f"{prefix}.scales")
-            qw = gptq_to_quant_weight(src.get(f"{prefix}.qweight"), qzeros, scales, g_idx, bits, group, offset, prefix)
-            err = max_min_rounding(qzeros, scales, bits, offset)
-            return qw, _zero_point_report(prefix, f"gptq {bits}-bit g{group}" + (" act-order" if qw.perm is not None else ""), err)
-
-        return f"GPTQ {bits}-bit g{group} ({fmt})", read
-    version = str(qc.get("version", "gemm")).lower()
-    if version != "gemm":
-        raise UnsupportedModelError(f"AWQ version {qc.get('version')!r} is not supported (only the GEMM layout)")
-
-    def read_awq(prefix: str) -> tuple[QuantWeight, LayerReport]:
-        qzeros, scales = src.get(f"{prefix}.qzeros"), src.get(f"{prefix}.scales")
-        qw = awq_to_quant_weight(src.get(f"{prefix}.qweight"), qzeros, scales, group, bits, prefix)
-        return qw, _zero_point_report(prefix, f"awq {bits}-bit g{group}", awq_min_rounding(qzeros, scales))
-
-    return f"AWQ {bits}-bit g{group} (GEMM)", read_awq
-
-
-def _zero_point_report(prefix: str, source: str, err: float) -> LayerReport:
-    """The min-form rounding |fp16(-z s) + z s|: the only difference from (q - z) * s besides one
-    fp32 rounding of q s + min."""
-    return LayerReport(prefix, source, err == 0.0, err, "" if err == 0.0 else "mins = fp16(-z*s) rounded")
 
 
 def _split_prefix(prefix: str) -> tuple[str, str, str] | None:
@@ -269,7 +188,7 @@ def _split_prefix(prefix: str) -> tuple[str, str, str] | None:
     return (parts[0], parts[1], parts[2]) if len(parts) == 3 else None
 
 
-def _plan(prefixes: list[str]) -> list[tuple[str, list[str]]]:
+def plan_layers(prefixes: list[str]) -> list[tuple[str, list[str]]]:
     """Output layers in order: (fused prefix, its part prefixes) for complete q/k/v and gate/up
     sets, (prefix, [prefix]) for the rest."""
     todo = set(prefixes)
@@ -290,8 +209,8 @@ def _plan(prefixes: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _emit(
-    writer: _ShardWriter, layers: dict[str, Any], report: ImportReport, fused_prefix: str,
+def emit_layer(
+    writer: ShardWriter, layers: dict[str, Any], report: ImportReport, fused_prefix: str,
     parts: list[tuple[str, QuantWeight, torch.Tensor | None]], unfusable: str,
 ) -> None:
     """Write one output layer (fused when it has several parts) and its bias."""
@@ -323,11 +242,11 @@ def _emit(
                 writer.add(name, t)
         if b is not None:
             writer.add(f"{prefix}.bias", b)
-    how = "dense float32 (exact reference values)" if unfusable == "dense" else "quantized under their own names"
+    how = "dense float32 (their dequantized values)" if unfusable == "dense" else "quantized under their own names"
     report.notes.append(f"{fused_prefix}: {note}; parts written unfused, {how}")
 
 
-def _finish_config(cfg: dict[str, Any], layers: dict[str, Any], bpw: float, source: dict[str, Any]) -> dict[str, Any]:
+def finish_config(cfg: dict[str, Any], layers: dict[str, Any], bpw: float, source: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in cfg.items() if k != "quantization_config"}
     out["quantization"] = {
         "quant_method": "halfbyte", "format_version": FORMAT_VERSION, "bits_per_weight": round(bpw, 4),
@@ -336,7 +255,7 @@ def _finish_config(cfg: dict[str, Any], layers: dict[str, Any], bpw: float, sour
     return out
 
 
-def _bits_per_weight(weights: Iterator[QuantWeight]) -> float:
+def bits_per_weight(weights: Iterator[QuantWeight]) -> float:
     bits = n = 0
     for w in weights:
         bits += w.storage_bits()
@@ -344,69 +263,30 @@ def _bits_per_weight(weights: Iterator[QuantWeight]) -> float:
     return bits / n if n else 0.0
 
 
-def import_hf_quantized(src: Path, out: Path, *, overwrite: bool = False, unfusable: str = "dense") -> ImportReport:
-    """A Hugging Face GPTQ/AWQ model directory -> a halfbyte quantized model directory."""
-    src, out = Path(src), Path(out)
-    if unfusable not in ("dense", "separate", "error"):
-        raise HalfbyteError(f"unfusable must be 'dense', 'separate' or 'error', not {unfusable!r}")
-    if not (src / "config.json").is_file():
-        raise ModelNotFoundError(f"{src} has no config.json; is it a model directory?")
-    cfg = _read_json(src / "config.json")
-    qc = quantization_config(src)
-    if qc is None:
-        raise QuantizationError(f"{src} has no quantization_config: not a GPTQ/AWQ checkpoint")
-    tensors = _TensorSource(src)
-    description, read = _hf_layer_reader(qc, tensors)
-    report = ImportReport(description, out)
-    prefixes = [n.removesuffix(".qweight") for n in tensors.where if n.endswith(".qweight")]
-    if not prefixes:
-        raise CorruptFileError(f"{src}: no '.qweight' tensors although quantization_config says {qc.get('quant_method')}")
-    quant_names = {f"{p}.{s}" for p in prefixes for s in ("qweight", "qzeros", "scales", "g_idx", "bias")}
-    plan = _plan(prefixes)
-
-    def fill(tmp: Path) -> None:
-        writer, layers, written = _ShardWriter(tmp), {}, []  # type: ignore[var-annotated]
-        for fused_prefix, members in plan:
-            parts = []
-            for p in members:
-                qw, rep = read(p)
-                report.layers.append(rep)
-                written.append(qw)
-                bias = tensors.get(f"{p}.bias") if f"{p}.bias" in tensors.where else None
-                parts.append((p, qw, bias))
-            _emit(writer, layers, report, fused_prefix, parts, unfusable)
-        for name in tensors.where:
-            if name not in quant_names:
-                writer.add(name, tensors.get(name))
-        writer.close()
-        report.bits_per_weight = _bits_per_weight(iter(written))
-        source = {"format": str(qc.get("quant_method")), "importer_version": IMPORTER_VERSION, "path": str(src)}
-        (tmp / "config.json").write_text(json.dumps(_finish_config(cfg, layers, report.bits_per_weight, source), indent=2))
-        _copy_aux_files(src, tmp)
-
-    _write_atomically(out, overwrite, fill)
-    return report
-
-
-def _copy_aux_files(src: Path, dst: Path) -> None:
-    """Tokenizer, generation config, chat templates: every small non-weight file."""
-    for f in src.iterdir():
-        if f.is_file() and f.name not in _SKIP_FILES and not f.name.endswith(_WEIGHT_FILES):
-            shutil.copy2(f, dst / f.name)
-
-
 # --- the entry points ----------------------------------------------------------------------------
 
 
-def import_checkpoint(src: str | Path, out: str | Path, *, overwrite: bool = False, unfusable: str = "dense", q6k_bits: int = 8) -> ImportReport:
-    """A GPTQ/AWQ model directory or a .gguf file -> a halfbyte quantized model directory."""
+def import_checkpoint(
+    src: str | Path, out: str | Path, *, overwrite: bool = False, unfusable: str = "dense", q6k_bits: int = 8,
+    show_progress: bool = False,
+) -> ImportReport:
+    """A GPTQ/AWQ model directory or a .gguf file -> a halfbyte quantized model directory.
+
+    unfusable: what to do with q/k/v or gate/up parts whose act-order permutations differ:
+    "dense" (float32 dequantized values; loads today), "separate" (quantized under their own
+    names; needs the loader change in the module notes), "error". q6k_bits: 8 or 6, the width
+    Q6_K tensors are requantized to."""
     path = Path(src).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         from halfbyte.quant.import_gguf import import_gguf_quantized
 
-        return import_gguf_quantized(path, Path(out), overwrite=overwrite, unfusable=unfusable, q6k_bits=q6k_bits)
+        return import_gguf_quantized(
+            path, Path(out), overwrite=overwrite, unfusable=unfusable, q6k_bits=q6k_bits, show_progress=show_progress
+        )
     if path.is_dir():
-        return import_hf_quantized(path, Path(out), overwrite=overwrite, unfusable=unfusable)
+        from halfbyte.quant.import_hf import import_hf_quantized
+
+        return import_hf_quantized(path, Path(out), overwrite=overwrite, unfusable=unfusable, show_progress=show_progress)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a model directory nor a .gguf file")
     raise ModelNotFoundError(f"{path} does not exist")
@@ -426,7 +306,7 @@ def _fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def convert_if_foreign(model_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
+def convert_if_foreign(model_dir: str | Path, cache_dir: str | Path | None = None, show_progress: bool = False) -> Path:
     """`model_dir` itself if halfbyte can load it as is; for a GPTQ/AWQ directory or a .gguf file,
     a converted halfbyte quantized directory in the cache (made once, reused while the source's
     files keep their sizes and mtimes). Other quantization methods raise UnsupportedModelError."""
@@ -435,7 +315,7 @@ def convert_if_foreign(model_dir: str | Path, cache_dir: str | Path | None = Non
     if not is_gguf:
         if not path.is_dir() or not (path / "config.json").is_file():
             return path  # not ours to judge: the loader reports missing directories
-        cfg = _read_json(path / "config.json")
+        cfg = read_json(path / "config.json")
         if "quantization" in cfg:
             return path
         qc = quantization_config(path)
@@ -452,7 +332,7 @@ def convert_if_foreign(model_dir: str | Path, cache_dir: str | Path | None = Non
     if (target / "config.json").is_file():
         return target
     try:
-        import_checkpoint(path, target)
+        import_checkpoint(path, target, show_progress=show_progress)
     except HalfbyteError:
         if (target / "config.json").is_file():  # another process finished the same import first
             return target
@@ -462,3 +342,25 @@ def convert_if_foreign(model_dir: str | Path, cache_dir: str | Path | None = Non
             return target
         raise
     return target
+
+
+def add_import_subcommand(sub: Any) -> None:
+    """Register `halfbyte import SRC OUT` on an argparse subparsers object."""
+    p = sub.add_parser("import", help="convert a GPTQ/AWQ model directory or a GGUF file into a halfbyte quantized directory")
+    p.add_argument("src", help="Hugging Face GPTQ or AWQ model directory, or a .gguf file")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--unfusable", choices=("dense", "separate", "error"), default="dense",
+                   help="q/k/v or gate/up parts with different act-order permutations: dense float32 (default), "
+                        "quantized under their own names, or an error")
+    p.add_argument("--q6k-bits", type=int, choices=(8, 6), default=8, help="bits that GGUF Q6_K tensors are requantized to")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+
+    def run(args: Any) -> int:
+        import sys
+
+        report = import_checkpoint(args.src, args.out, overwrite=args.overwrite, unfusable=args.unfusable,
+                                   q6k_bits=args.q6k_bits, show_progress=sys.stderr.isatty())
+        print(report.summary())
+        return 0
+
+    p.set_defaults(func=run)

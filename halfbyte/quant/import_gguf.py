@@ -33,8 +33,8 @@ import torch
 
 from halfbyte.errors import HalfbyteError, QuantizationError, UnsupportedModelError
 from halfbyte.quant.import_checkpoint import (
-    IMPORTER_VERSION, ImportReport, LayerReport, _bits_per_weight, _emit, _finish_config, _plan, _ShardWriter,
-    _write_atomically,
+    IMPORTER_VERSION, ImportReport, LayerReport, ShardWriter, bits_per_weight, emit_layer, finish_config,
+    plan_layers, progress, write_atomically,
 )
 from halfbyte.quant.qtensor import QuantSlice, QuantWeight
 from halfbyte.quant.rtn import quantize_rtn
@@ -265,7 +265,8 @@ _DENSE_TYPES = ("F32", "F16", "BF16")
 
 
 def import_gguf_quantized(
-    path: Path, out: Path, *, overwrite: bool = False, unfusable: str = "dense", q6k_bits: int = 8, measure: bool = True
+    path: Path, out: Path, *, overwrite: bool = False, unfusable: str = "dense", q6k_bits: int = 8, measure: bool = True,
+    show_progress: bool = False,
 ) -> ImportReport:
     """A llama GGUF file -> a halfbyte quantized model directory: linear weights quantized as the
     table above says, everything else (embeddings, norms) dense float32 as gguf dequantizes it;
@@ -311,23 +312,23 @@ def import_gguf_quantized(
         return permute_out(w, unpermute_rope_rows(w.out_features, heads[kind])) if kind in heads else w
 
     def fill(tmp: Path) -> None:
-        writer, layers, written = _ShardWriter(tmp), {}, []  # type: ignore[var-annotated]
-        for fused_prefix, members in _plan(prefixes):
+        writer, layers, written = ShardWriter(tmp), {}, []  # type: ignore[var-annotated]
+        for fused_prefix, members in progress(plan_layers(prefixes), f"importing {path.name}", show_progress):
             parts = [(p, read(p), None) for p in members]
             written.extend(w for _, w, _ in parts)
-            _emit(writer, layers, report, fused_prefix, parts, unfusable)
+            emit_layer(writer, layers, report, fused_prefix, parts, unfusable)
         quantized = {f"{p}.weight" for p in prefixes}
         for name, t in by_name.items():
             if name not in quantized:  # dequantized (and q/k un-permuted) as import-gguf does
                 writer.add(name, torch.from_numpy(gi._dequantized(t, cfg).copy()))
         writer.close()
-        report.bits_per_weight = _bits_per_weight(iter(written))
+        report.bits_per_weight = bits_per_weight(iter(written))
         source = {"format": "gguf", "importer_version": IMPORTER_VERSION, "path": str(path)}
-        (tmp / "config.json").write_text(json.dumps(_finish_config(cfg, layers, report.bits_per_weight, source), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(finish_config(cfg, layers, report.bits_per_weight, source), indent=2) + "\n")
         tokenizer.save(str(tmp / "tokenizer.json"))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
         gen_cfg = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
 
-    _write_atomically(out, overwrite, fill)
+    write_atomically(out, overwrite, fill)
     return report
