@@ -20,6 +20,14 @@ halfbyte groups of 32 along K:
 compute in float32, q d and the power-of-two mins are exact, so q d + (-z d) = (q - z) d holds
 without rounding, and Q4_1/Q5_1 evaluate the same d q + m. Other types are refused; F32/F16/BF16
 tensors are dense and not handled here.
+
+Measured on Gaussian weights (std 0.02, 512 x 4096) quantized the llama.cpp way: Q4_K's rounded
+sub-block scales add rms 1.3e-5 (max 8.6e-5, at most 1.1% of a quantization step) to Q4_K's own
+rms error 1.6e-3; about 5% of the d*sc products fit fp16 exactly. Q6_K requantized to 8 bits adds
+rms 9.8e-5 to its own 4.6e-4 (total 4.65e-4, +2%; mean 6% of a Q6_K step, max 1.2 steps where
+two neighbouring sub-blocks' scales differ a lot); to 6 bits it adds 4.0e-4 (total +33%).
+Storage: Q4_0 4.5 -> 5.0 bits per weight (halfbyte stores the min), Q4_1 5.0 -> 5.0,
+Q8_0 8.5 -> 9.0, Q4_K 4.5 -> 5.0, Q6_K 6.56 -> 9.0 (8 bits) or 7.0 (6 bits).
 """
 
 from __future__ import annotations
