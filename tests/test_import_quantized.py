@@ -572,3 +572,15 @@ def test_quantized_layers_with_biases_load(biased_import: tuple[Path, Path]) -> 
     hb, twin = biased_import
     diff = (_logits(hb, IDS) - _logits(twin, IDS)).abs().max().item()
     assert diff <= 2e-3, diff
+
+
+def test_large_outputs_are_sharded_with_an_index(tiny_hf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import halfbyte.quant.import_checkpoint as ic
+
+    foreign, _ = _write_foreign(tiny_hf, tmp_path, "gptq", "shared")
+    import_checkpoint(foreign, tmp_path / "one")
+    monkeypatch.setattr(ic, "SHARD_BYTES", 64 << 10)
+    import_checkpoint(foreign, tmp_path / "many")
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3 and not (tmp_path / "many" / "model.safetensors").exists()
+    assert torch.equal(_logits(tmp_path / "many", IDS), _logits(tmp_path / "one", IDS))
