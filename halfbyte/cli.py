@@ -131,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     fetch = sub.add_parser("fetch-default", help="fetch and import the embedded default model (SmolLM2-135M-Instruct)")
     fetch.set_defaults(func=_cmd_fetch_default)
+
+    # quantization: convert, eval-ppl, eval-kl, import (GPTQ / AWQ / GGUF into the halfbyte format)
+    from halfbyte.quant.cli_commands import add_subcommands
+    from halfbyte.quant.import_checkpoint import add_import_subcommand
+
+    add_subcommands(sub)
+    add_import_subcommand(sub)
     return parser
 
 
