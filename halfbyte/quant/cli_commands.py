@@ -14,7 +14,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     opts = ConvertOptions(
         bits=args.bits, group_size=args.group_size, head_bits=args.head_bits, act_order=args.act_order,
         calib_files=tuple(args.calib or ()), seq_len=args.calib_seq_len, num_windows=args.calib_windows,
-        show_progress=sys.stderr.isatty() or args.progress,
+        show_progress=sys.stderr.isatty() or args.progress, measure_cache=args.measure_cache,
     )
     result = convert(args.model, args.out, opts)
     print(
@@ -71,6 +71,8 @@ def add_subcommands(sub: Any) -> None:
     conv.add_argument("--head-bits", type=int, default=None, help="also quantize the LM head at this many bits (default: dense)")
     conv.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
                       help="quantize columns in order of decreasing input energy (default: on)")
+    conv.add_argument("--measure-cache", default=None, metavar="DIR",
+                      help="keep calibration and measurements in DIR and reuse them when converting the same model to other budgets")
     conv.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     conv.set_defaults(func=_cmd_convert)
 

@@ -11,6 +11,9 @@ activations (the residual stream entering the layer, [tokens, hidden]):
    with the chosen settings, "true sequential" (o_proj's Hessian comes from the quantized qkv
    output, and so on), and the stream goes on through the quantized layer.
 
+With measure_cache, the calibration windows and measurements are kept there (keyed by every
+setting except the budget) for conversions of the same model to other budgets.
+
 Every finished layer is saved atomically under OUT.partial/, with the stream after it, so a
 killed conversion resumes from its last finished layer and writes byte-identical files; OUT
 itself appears only when complete (written as a temporary directory, then renamed)."""
@@ -83,6 +86,7 @@ class ConvertOptions:
     measure_rows: int = 256  # rows sampled per matrix in the measurement pass
     show_progress: bool = True
     candidates: tuple[Candidate, ...] | None = None  # None: measure.default_candidates(group_size)
+    measure_cache: str | Path | None = None  # reuse calibration + measurement across budgets
     # test hook: called after each finished layer as (pass name, layer index)
     after_layer: Callable[[str, int], None] | None = field(default=None, repr=False, compare=False)
 
@@ -379,10 +383,19 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
     else:
         partial.mkdir(parents=True)
         _atomic_json(partial / "state.json", fingerprint)
-    (partial / "measure").mkdir(exist_ok=True)
     (partial / "quant").mkdir(exist_ok=True)
+    # calibration and measurement do not depend on the budget: with measure_cache they live in
+    # a directory keyed by everything else, and other budgets reuse them
+    mdir = partial
+    if opts.measure_cache is not None:
+        keyed = {k: v for k, v in fingerprint.items() if k not in ("bits", "head_bits")}
+        digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+        mdir = Path(opts.measure_cache) / digest
+        mdir.mkdir(parents=True, exist_ok=True)
+        _atomic_json(mdir / "settings.json", keyed)
+    (mdir / "measure").mkdir(exist_ok=True)
 
-    calib_file = partial / "calibration.json"
+    calib_file = mdir / "calibration.json"
     if not calib_file.is_file():
         _atomic_json(calib_file, _calibration(model_dir, tokenizer, opts, docs))
     windows: list[list[int]] = json.loads(calib_file.read_text())
@@ -405,7 +418,7 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
 
         # pass 1: measurement
         task = progress.add_task("measure", total=cfg.num_layers, info="")
-        resumed = _load_stream(partial / "measure" / "stream.safetensors")
+        resumed = _load_stream(mdir / "measure" / "stream.safetensors")
         first, stream = resumed if resumed is not None else (0, embed())
         progress.update(task, completed=first)
         for i in range(first, cfg.num_layers):
@@ -419,8 +432,8 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
                 return w
 
             stream = run_layer(cfg, lw, stream, lengths, rotary, measure)
-            _atomic_json(partial / "measure" / f"layer_{i:05d}.json", errors)
-            _save_stream(partial / "measure" / "stream.safetensors", i + 1, stream)
+            _atomic_json(mdir / "measure" / f"layer_{i:05d}.json", errors)
+            _save_stream(mdir / "measure" / "stream.safetensors", i + 1, stream)
             ref = next((j for j, c in enumerate(cands) if c.parts == ((1.0, 4),)), 0)
             info = "  ".join(f"{u.split('.')[1].removesuffix('_proj')} {errors[u][ref]:.2e}" for u in UNITS)
             progress.update(task, advance=1, info=f"4-bit error {info}")
@@ -431,7 +444,7 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
         # allocation
         prefixes, costs, errs = [], [], []
         for i in range(cfg.num_layers):
-            measured = json.loads((partial / "measure" / f"layer_{i:05d}.json").read_text())
+            measured = json.loads((mdir / "measure" / f"layer_{i:05d}.json").read_text())
             for unit in UNITS:
                 n, k = shapes[unit]
                 prefixes.append(f"model.layers.{i}.{unit}")
@@ -499,7 +512,7 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
             rest["lm_head.weight"] = src.get("lm_head.weight")
         del stream
         console.print(f"quantized [{time.perf_counter() - t_start:.0f} s]")
-        result = _assemble(model_dir, out_dir, partial, hf_cfg, cfg, rest, head_meta, opts)
+        result = _assemble(model_dir, out_dir, partial, len(windows), hf_cfg, cfg, rest, head_meta, opts)
 
     result.seconds = time.perf_counter() - t_start
     result.choices = {p: c.name for p, c in chosen.items()}
@@ -520,6 +533,7 @@ def _assemble(
     model_dir: Path,
     out_dir: Path,
     partial: Path,
+    num_windows: int,
     hf_cfg: dict[str, Any],
     cfg: ModelConfig,
     rest: dict[str, torch.Tensor],
@@ -571,7 +585,7 @@ def _assemble(
         "format_version": FORMAT_VERSION,
         "bits_per_weight": round(total_bpw, 4),
         "budget_bits_per_weight": opts.bits,
-        "calibration": f"{len(json.loads((partial / 'calibration.json').read_text()))} windows of up to {opts.seq_len} tokens, "
+        "calibration": f"{num_windows} windows of up to {opts.seq_len} tokens, "
         + ("files " + ", ".join(Path(p).name for p in opts.calib_files) if opts.calib_files else "sampled from the model"),
         "layers": layers_meta,
     }
