@@ -81,9 +81,13 @@ class ConvertOptions:
     calib_files: tuple[str, ...] = ()
     seq_len: int = 512  # calibration window length, tokens
     num_windows: int = 32
-    sample_tokens: int = 384  # tokens sampled per prompt when the model writes its own calibration text
+    # without calibration files the model writes its own text: sample_prompts answers (the generic
+    # prompts, repeated with other seeds) of up to sample_tokens tokens; wide and short batches
+    # make the most tokens per second on a CPU
+    sample_prompts: int = 32
+    sample_tokens: int = 160
     damp: float = 0.01
-    measure_rows: int = 256  # rows sampled per matrix in the measurement pass
+    measure_rows: int = 128  # rows sampled per matrix in the measurement pass
     show_progress: bool = True
     candidates: tuple[Candidate, ...] | None = None  # None: measure.default_candidates(group_size)
     measure_cache: str | Path | None = None  # reuse calibration + measurement across budgets
@@ -305,6 +309,7 @@ def _fingerprint(model_dir: Path, opts: ConvertOptions) -> dict[str, Any]:
         "num_windows": opts.num_windows,
         "damp": opts.damp,
         "measure_rows": opts.measure_rows,
+        "sample_prompts": opts.sample_prompts,
         "sample_tokens": opts.sample_tokens,
         "candidates": [c.to_json() for c in opts.candidates] if opts.candidates else None,
     }
@@ -340,7 +345,7 @@ def _calibration(model_dir: Path, tokenizer: Any, opts: ConvertOptions, docs: li
     if docs is not None:
         streams = calibration.tokenize_texts(docs, tokenizer)
     else:
-        streams = calibration.sample_model_tokens(model_dir, max_tokens=opts.sample_tokens)
+        streams = calibration.sample_model_tokens(model_dir, num_prompts=opts.sample_prompts, max_tokens=opts.sample_tokens)
     return calibration.calibration_windows(streams, opts.seq_len, opts.num_windows, tokenizer.eos_token_id)
 
 
