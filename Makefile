@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench-cpu clean-venv
+.PHONY: demo test test-all bench-cpu clean-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ demo: $(STAMP)
 		--prompt "What is the capital of France?"
 
 test: $(STAMP)
+	$(VENV)/bin/halfbyte fetch-default
+	$(PY) -m pytest -q -m "not slow"
+
+# also the slow tests (conversion peak-memory measurement in subprocesses)
+test-all: $(STAMP)
 	$(VENV)/bin/halfbyte fetch-default
 	$(PY) -m pytest -q
 
