@@ -213,6 +213,7 @@ def run_layer(
     lengths: list[int],
     rotary: RotaryEmbedding,
     process: Process,
+    energies: dict[str, float] | None = None,
 ) -> torch.Tensor:
     """The layer on every calibration token, true-sequential: before each matrix is used,
     process(unit, H, W) sees its Hessian and returns the weight to compute with (the float one
@@ -248,6 +249,9 @@ def run_layer(
     w_o = process(UNITS[1], _hessian(o_in), lw.matrices[UNITS[1]])
     h2 = stream + _linear(o_in, w_o, lw.biases[UNITS[1]])
     del o_in
+    if energies is not None:  # mean squared norm per token of the residual stream at each block's input
+        energies["attn_in"] = float(stream.square().sum(1).mean())
+        energies["mlp_in"] = float(h2.square().sum(1).mean())
     x2 = rms_norm(h2, lw.post_norm.float(), eps)
     w_gu = process(UNITS[2], _hessian(x2), lw.matrices[UNITS[2]])
     act = torch.cat([silu_and_mul(_linear(c, w_gu, lw.biases[UNITS[2]])) for c in x2.split(_ROWS)])  # [T, inter]
@@ -316,6 +320,17 @@ def _fingerprint(model_dir: Path, opts: ConvertOptions) -> dict[str, Any]:
 
 
 # --- the conversion -----------------------------------------------------------------------------
+
+
+def residual_weights(energies: dict[str, float]) -> dict[str, float]:
+    """Weight of each matrix's relative error in the allocation objective: the power its block
+    (attention: qkv + o; MLP: gate_up + down) adds to the residual stream over the stream's
+    power there. A matrix's relative output error becomes, to first order, that fraction of its
+    block's output, so weight x rel_err estimates the noise-to-signal ratio it injects into the
+    residual stream: errors in early layers, where the stream is still small, weigh more."""
+    attn = energies[UNITS[1]] / max(energies["attn_in"], 1e-30)
+    mlp = energies[UNITS[3]] / max(energies["mlp_in"], 1e-30)
+    return {UNITS[0]: attn, UNITS[1]: attn, UNITS[2]: mlp, UNITS[3]: mlp}
 
 
 def _unit_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -424,19 +439,27 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
         # pass 1: measurement
         task = progress.add_task("measure", total=cfg.num_layers, info="")
         resumed = _load_stream(mdir / "measure" / "stream.safetensors")
+        stale = any(
+            "energies" not in json.loads(f.read_text()) for f in sorted((mdir / "measure").glob("layer_*.json"))
+        )
+        if stale:  # measured by an older version: measure again from the start
+            resumed = None
         first, stream = resumed if resumed is not None else (0, embed())
         progress.update(task, completed=first)
         for i in range(first, cfg.num_layers):
             lw = read_layer(src, i)
-            errors: dict[str, list[float]] = {}
+            errors: dict[str, Any] = {}
+            energies: dict[str, float] = {}
 
             def measure(unit: str, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                 errors[unit] = measure_candidates(
                     w, h, cands, act_order=opts.act_order, damp=opts.damp, max_rows=opts.measure_rows
                 )
+                energies[unit] = 0.5 * float(((w @ h) * w).sum())  # mean squared norm of its output
                 return w
 
-            stream = run_layer(cfg, lw, stream, lengths, rotary, measure)
+            stream = run_layer(cfg, lw, stream, lengths, rotary, measure, energies)
+            errors["energies"] = energies
             _atomic_json(mdir / "measure" / f"layer_{i:05d}.json", errors)
             _save_stream(mdir / "measure" / "stream.safetensors", i + 1, stream)
             ref = next((j for j, c in enumerate(cands) if c.parts == ((1.0, 4),)), 0)
@@ -450,11 +473,12 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
         prefixes, costs, errs = [], [], []
         for i in range(cfg.num_layers):
             measured = json.loads((mdir / "measure" / f"layer_{i:05d}.json").read_text())
+            weights = residual_weights(measured["energies"])
             for unit in UNITS:
                 n, k = shapes[unit]
                 prefixes.append(f"model.layers.{i}.{unit}")
                 costs.append([storage_bits(c, n, k, opts.act_order) for c in cands])
-                errs.append(measured[unit])
+                errs.append([weights[unit] * e for e in measured[unit]])
         total_weights = cfg.num_layers * sum(n * k for n, k in shapes.values())
         picks = allocate(costs, errs, opts.bits * total_weights)
         chosen = {p: cands[j] for p, j in zip(prefixes, picks, strict=True)}
