@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="print where prefill and eager decode spend GPU time")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # GPU.md: cuDNN SDPA costs ~2 ms of CPU per call
     dev = torch.device("cuda")
@@ -92,6 +93,16 @@ def main() -> None:
             prefill(model, pool, ids, table)
         torch.cuda.synchronize()
         rows["prefill 2048 tok/s"] = 3 * 2048 / (time.perf_counter() - t)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                prefill(model, pool, ids, table)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                time_decode(model, pool, decoder, 128, 4, False)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
     peak = torch.cuda.max_memory_allocated() / 1e9
     bytes_per_token = (weights_gb + dense_gb - model.embed_tokens.numel() * 2 / 1e9) * 1e9
     result = dict(shape=args.shape, bits=args.bits, group=args.group, device=torch.cuda.get_device_name(),

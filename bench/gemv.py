@@ -1,7 +1,9 @@
 """Quantized GEMV/GEMM speed on the GPU: GB/s of packed weights + scales + mins moved, against
 the measured device-to-device copy bandwidth, for Llama-3-8B and 70B layer shapes.
 
-Usage: python bench/gemv.py [--bits 4] [--group 128] [--sweep] [--json OUT]"""
+Usage: python bench/gemv.py [--bits 4] [--group 128] [--sweep] [--json OUT]
+Times the generic kernel at its defaults and, at 4 bits, the fp16x2 kernel (gemv_w4; --sweep
+tries its tile / split / warp settings per shape) in the same run."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from halfbyte.kernels import gemv_w4  # noqa: E402
 from halfbyte.kernels.quant_gemv import gemv_triton  # noqa: E402
 from halfbyte.kernels.quant_matmul import quant_matmul_ref, quant_matmul_triton  # noqa: E402
 
@@ -87,55 +90,62 @@ def main() -> None:
         x16 = torch.randn(16, k, device="cuda", dtype=torch.float16)
         ref1 = quant_matmul_ref(x1, qw, sc, mn, args.bits, args.group)
         ref16 = quant_matmul_ref(x16, qw, sc, mn, args.bits, args.group)
-        use_gemv = 32 % args.bits == 0
-        fn = gemv_triton if use_gemv else quant_matmul_triton
-        if use_gemv:
-            grid = [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st)
-                    for bn, kw, sk, w, st in itertools.product((128, 256, 512), (8, 16), (None, 8), (4,), (2, 4))]
-        else:
-            grid = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-                    for bn, bk, w, st in itertools.product((64, 128), (64, 128), (4, 8), (3,))]
-        grid1, grid16 = grid, grid
-        if use_gemv:  # the single-row kernel has two formulations; the sweep picks per shape
-            grid1 = grid + [dict(c, unroll=True) for c in grid]
-        if not args.sweep:
-            grid1, grid16 = [{}], [{}]
 
         def pick(fn, grid, x, ref):  # type: ignore[no-untyped-def]
             best = None
             for cfg in grid:
                 try:
-                    out = fn(x, qw, sc, mn, args.bits, args.group, **cfg)
+                    out = fn(x, qw, sc, mn, **cfg)
                     err = ((out.float() - ref).norm() / ref.norm()).item()
                     if not err <= 1e-3:
                         print(f"  {name} {cfg}: rel err {err:.2e}", file=sys.stderr)
                         continue
-                    t = rotated_time(lambda q, s_, m_: fn(x, q, s_, m_, args.bits, args.group, **cfg), copies)
+                    t = rotated_time(lambda q, s_, m_: fn(x, q, s_, m_, **cfg), copies)
                 except Exception as e:  # a config that does not compile (registers, shared memory)
                     print(f"  {name} {cfg}: {type(e).__name__} {str(e)[:200]}", file=sys.stderr)
                     continue
                 if best is None or t < best[1]:
                     best = (cfg, t, err)
-            assert best is not None, name
             return best
 
-        cfg, t1, err = pick(fn, grid1, x1, ref1)
-        cfg16, t16, err16 = pick(fn, grid16, x16, ref16)
+        # the generic kernel at its defaults (or the tiled one for widths that straddle words)
+        generic = gemv_triton if 32 % args.bits == 0 else quant_matmul_triton
+        old = lambda x, q, s_, m_, **c: generic(x, q, s_, m_, args.bits, args.group, **c)  # noqa: E731
+        _, t1, err = pick(old, [{}], x1, ref1)
+        _, t16, err16 = pick(old, [{}], x16, ref16)
+        row = dict(shape=name, n=n, k=k, bytes=nbytes, t1_us=t1 * 1e6, gbs=nbytes / t1 / 1e9,
+                   pct_copy=100 * nbytes / t1 / 1e9 / copy_gbs, t16_over_t1=t16 / t1, rel_err=max(err, err16))
+        if args.bits == 4 and gemv_w4.supports(x16, 4, args.group):
+            new = lambda x, q, s_, m_, **c: gemv_w4.gemv_w4(x, q, s_, m_, args.group, **c)  # noqa: E731
+            grid1, grid16 = [{}], [{}]
+            if args.sweep:
+                grid1 = [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st)
+                         for bn, kw, sk, w, st in itertools.product((128, 256, 512), (8, 16, 32), (None,), (4, 8), (2, 3))]
+                grid1 += [dict(block_n=256, block_kw=16, split_k=sk) for sk in (1, 2, 4, 8)]
+                grid16 = [dict(block_n=bn, block_kw=16, num_warps=w, num_stages=st)
+                          for bn, w, st in itertools.product((64, 128, 256), (4, 8), (2, 3))]
+            best1, best16 = pick(new, grid1, x1, ref1), pick(new, grid16, x16, ref16)
+            if best1 is None or best16 is None:
+                raise SystemExit(f"{name}: every gemv_w4 config failed (see stderr)")
+            (cfg, w1, e1), (cfg16, w16, e16) = best1, best16
+            row.update(w4_t1_us=w1 * 1e6, w4_pct_copy=100 * nbytes / w1 / 1e9 / copy_gbs, w4_t16_us=w16 * 1e6,
+                       w4_t16_over_t1=w16 / w1, w4_rel_err=max(e1, e16), w4_config=cfg, w4_config16=cfg16)
         dense = [(torch.randn(n, k, device="cuda", dtype=torch.float16),) for _ in range(max(1, -(-240_000_000 // (n * k * 2))))]
-        t_fp16 = rotated_time(lambda w: torch.nn.functional.linear(x1, w), dense)
+        row["fp16_linear_us"] = rotated_time(lambda w: torch.nn.functional.linear(x1, w), dense) * 1e6
         del dense, copies
-        rows.append(dict(shape=name, n=n, k=k, bytes=nbytes, t1_us=t1 * 1e6, gbs=nbytes / t1 / 1e9,
-                         pct_copy=100 * nbytes / t1 / 1e9 / copy_gbs, t16_over_t1=t16 / t1,
-                         fp16_linear_us=t_fp16 * 1e6, rel_err=max(err, err16), config=cfg, config16=cfg16))
+        rows.append(row)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, bits=args.bits,
                   group=args.group, copy_gbs=copy_gbs, rows=rows)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s; {args.bits}-bit g{args.group}; {result['device']}")
-    print(f"{'shape':<12}{'us b1':>8}{'GB/s':>8}{'%copy':>7}{'b16/b1':>8}{'fp16 us':>9}  config b1 | b16")
+    print(f"{'shape':<12}{'us b1':>8}{'%copy':>7}{'b16/b1':>8}{'w4 us b1':>10}{'w4 %copy':>10}{'w4 b16/b1':>10}"
+          f"{'fp16 us':>9}  w4 config b1 | b16")
     for r in rows:
-        print(f"{r['shape']:<12}{r['t1_us']:>8.1f}{r['gbs']:>8.0f}{r['pct_copy']:>7.1f}{r['t16_over_t1']:>8.2f}"
-              f"{r['fp16_linear_us']:>9.1f}  {r['config']} | {r['config16']}")
+        w4 = (f"{r['w4_t1_us']:>10.1f}{r['w4_pct_copy']:>10.1f}{r['w4_t16_over_t1']:>10.2f}" if "w4_t1_us" in r
+              else f"{'-':>10}{'-':>10}{'-':>10}")
+        print(f"{r['shape']:<12}{r['t1_us']:>8.1f}{r['pct_copy']:>7.1f}{r['t16_over_t1']:>8.2f}{w4}"
+              f"{r['fp16_linear_us']:>9.1f}  {r.get('w4_config')} | {r.get('w4_config16')}")
 
 
 if __name__ == "__main__":

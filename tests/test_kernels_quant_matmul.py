@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from halfbyte.kernels import gemv_w4
 from halfbyte.kernels.quant_gemv import gemv_triton
 from halfbyte.kernels.quant_matmul import dequantize_ref, dequantize_t_triton, quant_matmul_ref, quant_matmul_triton
 from tests.kernel_testing import DEVICE, rel_err
@@ -56,3 +57,27 @@ def test_dequantize_t(bits: int) -> None:
     qweight, scales, mins = random_packed(n, k, bits, group, seed=bits)
     out = dequantize_t_triton(qweight, scales, mins, bits, group, k, torch.float16)
     assert rel_err(out.t(), dequantize_ref(qweight, scales, mins, bits, group, k)) <= 1e-3
+
+
+@pytest.mark.parametrize("m,n,k,group", [(1, 96, 576, 128), (1, 300, 1536, 32), (1, 64, 4096, 64), (4, 64, 1024, 128),
+                                         (16, 130, 512, 128), (7, 200, 1152, 128)])
+def test_gemv_w4(m: int, n: int, k: int, group: int) -> None:
+    """The fp16x2 4-bit kernel (on the GPU its PTX path) against the reference, poisoned outputs."""
+    qweight, scales, mins = random_packed(n, k, 4, group, seed=n + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)).half().to(DEVICE)
+    assert gemv_w4.supports(x, 4, group)
+    ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
+    configs = ((1, 64, 8), (3, 128, 16), (None, None, None)) if m == 1 else ((1, 32, 16), (3, 64, 16), (None, None, None))
+    for split_k, block_n, block_kw in configs:
+        torch.empty(m, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))  # poison the allocator's next block
+        out = gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=split_k, block_n=block_n, block_kw=block_kw)
+        assert out.dtype == torch.float16 and out.shape == (m, n)
+        assert rel_err(out, ref) <= 1e-3, (split_k, block_n, rel_err(out, ref))
+
+
+def test_gemv_w4_declines_what_it_cannot_do() -> None:
+    x = torch.randn(1, 576).half()
+    assert not gemv_w4.supports(x.float(), 4, 128)  # fp16 only
+    assert not gemv_w4.supports(x, 3, 128)
+    assert not gemv_w4.supports(torch.randn(2, 576).half(), 4, 64)  # several rows need 128-k groups
+    assert not gemv_w4.supports(torch.randn(1, 577).half()[:, 1:], 4, 128)  # misaligned view

@@ -9,8 +9,11 @@ tl.dot (M padded to 16), splitting K across programs and summing the fp32 partia
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from halfbyte.kernels import gemv_w4
 from halfbyte.kernels.dispatch import use_triton
 from halfbyte.kernels.quant_gemv import gemv_triton
 from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
@@ -147,9 +150,12 @@ def quant_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int
 ) -> torch.Tensor:
     """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype (fp32 accumulation): the weight-streaming
-    kernel for decode-sized M, tiles for mid-sized M, dequantize + cuBLAS for prefill."""
+    kernel for decode-sized M (its fp16x2 4-bit form where it applies; HALFBYTE_W4_KERNEL=generic
+    compares against the generic one), tiles for mid-sized M, dequantize + cuBLAS for prefill."""
     if use_triton(x):
         m = x.shape[0]
+        if m <= 16 and gemv_w4.supports(x, bits, group_size) and os.environ.get("HALFBYTE_W4_KERNEL") != "generic":
+            return gemv_w4.gemv_w4(x, qweight, scales, mins, group_size)
         if m <= 16 and 32 % bits == 0:
             return gemv_triton(x, qweight, scales, mins, bits, group_size)
         if m <= DENSE_THRESHOLD_M:

@@ -1,0 +1,254 @@
+"""4-bit weight-streaming matmul for 1-16 fp16 rows (decode), dequantizing with fp16x2 bit tricks.
+
+Why a separate kernel: at 4 bits the generic kernel (quant_gemv.py) spends ~5 integer/float
+instructions per weight (shift, mask, or, subtract, FMA), more than the SMs issue while the
+weights stream at full memory bandwidth. Here one `lop3` turns two nibbles of a word into two
+fp16 values 1024 + q (or 1024 + 16q) at once, one f16x2 op makes them q - 8 exactly, and
+(M = 1) f16x2 FMAs multiply them by x pairs: about 1.6 instructions per weight.
+
+Meaning, per output n (the format of docs/format.md, bits = 4):
+    y[n] = sum_g  s[g, n] * sum_{k in g} (q[n, k] - 8) * x[k]  +  (m[g, n] + 8 s[g, n]) * sum_{k in g} x[k]
+which equals x @ dequant(W)^T. Centring q on 8 keeps the fp16 partial sums small; M = 1 sums
+the 8 products of one word in fp16 (4 per half) before fp32 (measured rel. error ~3e-4 vs
+2e-4 for the fp16 output rounding alone); M > 1 goes through tl.dot with fp32 accumulation.
+
+A word holds k = 8r .. 8r+7; value j sits in bits 4j..4j+3. The f16x2 trick pairs values
+(0, 4), (1, 5), (2, 6), (3, 7): the x pairs are built the same way. Triton's interpreter (CI)
+cannot run PTX, so USE_ASM=False computes the same sums with plain shifts; the GPU tests check
+the PTX path. The reference is quant_matmul.quant_matmul_ref."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from halfbyte.kernels.quant_gemv import _counter_buffer, _write_out
+from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
+
+# q - 8 for the 8 nibbles of a word as 4 half2 registers: pairs (0,4) (1,5) (2,6) (3,7).
+# BOTTOM nibbles (bits 0-3 of each half) -> 1024 + q, minus 1032; TOP (bits 4-7) -> 1024 + 16q,
+# times 1/16 minus 72. lop3 0xea = (a & b) | c.
+_DEQUANT_PTX = """
+    mov.b32 m1032, 0x64086408;
+    mov.b32 inv16, 0x2c002c00;
+    mov.b32 m72, 0xd480d480;
+    shr.u32 top, {w}, 8;
+    lop3.b32 q04, {w}, 0x000f000f, 0x64006400, 0xea;
+    lop3.b32 q15, {w}, 0x00f000f0, 0x64006400, 0xea;
+    lop3.b32 q26, top, 0x000f000f, 0x64006400, 0xea;
+    lop3.b32 q37, top, 0x00f000f0, 0x64006400, 0xea;
+    sub.f16x2 q04, q04, m1032;
+    fma.rn.f16x2 q15, q15, inv16, m72;
+    sub.f16x2 q26, q26, m1032;
+    fma.rn.f16x2 q37, q37, inv16, m72;
+"""
+
+_DOT8_ASM = (
+    "{\n .reg .b32 m1032, inv16, m72, top, q04, q15, q26, q37, acc;\n .reg .b16 lo, hi;\n .reg .f32 f0, f1;\n"
+    + _DEQUANT_PTX.format(w="$1")
+    + """
+    mul.rn.f16x2 acc, q04, $2;
+    fma.rn.f16x2 acc, q15, $3, acc;
+    fma.rn.f16x2 acc, q26, $4, acc;
+    fma.rn.f16x2 acc, q37, $5, acc;
+    mov.b32 {lo, hi}, acc;
+    cvt.f32.f16 f0, lo;
+    cvt.f32.f16 f1, hi;
+    add.f32 $0, f0, f1;
+}"""
+)
+
+_UNPACK8_ASM = (
+    "{\n .reg .b32 m1032, inv16, m72, top, q04, q15, q26, q37;\n"
+    + _DEQUANT_PTX.format(w="$8")
+    + """
+    mov.b32 {$0, $4}, q04;
+    mov.b32 {$1, $5}, q15;
+    mov.b32 {$2, $6}, q26;
+    mov.b32 {$3, $7}, q37;
+}"""
+)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _x_pairs(x_ptr, w_row, row_ok):
+        """fp16 x of words w_row as int32 half2 pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7), and their fp32 sum."""
+        xw = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + w_row * 4
+        x01 = tl.load(xw, mask=row_ok, other=0).to(tl.uint32, bitcast=True)
+        x23 = tl.load(xw + 1, mask=row_ok, other=0).to(tl.uint32, bitcast=True)
+        x45 = tl.load(xw + 2, mask=row_ok, other=0).to(tl.uint32, bitcast=True)
+        x67 = tl.load(xw + 3, mask=row_ok, other=0).to(tl.uint32, bitcast=True)
+        lo = 0xFFFF
+        hi = 0xFFFF0000
+        p04 = ((x01 & lo) | (x45 << 16)).to(tl.int32, bitcast=True)
+        p15 = ((x01 >> 16) | (x45 & hi)).to(tl.int32, bitcast=True)
+        p26 = ((x23 & lo) | (x67 << 16)).to(tl.int32, bitcast=True)
+        p37 = ((x23 >> 16) | (x67 & hi)).to(tl.int32, bitcast=True)
+        xt = tl.load(x_ptr + (w_row * 8)[:, None] + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0.0)
+        xs = tl.sum(xt.to(tl.float32), axis=1)
+        return p04, p15, p26, p37, xs
+
+    @triton.jit
+    def _word_dots(words, x_ptr, w_row, row_ok, p04, p15, p26, p37, USE_ASM: tl.constexpr):
+        """[KW, N] fp32: sum over the word's 8 values of (q - 8) * x."""
+        if USE_ASM:
+            shape = words.shape
+            return tl.inline_asm_elementwise(
+                _DOT8_ASM, "=r,r,r,r,r,r",
+                [words, tl.broadcast_to(p04[:, None], shape), tl.broadcast_to(p15[:, None], shape),
+                 tl.broadcast_to(p26[:, None], shape), tl.broadcast_to(p37[:, None], shape)],
+                dtype=tl.float32, is_pure=True, pack=1,
+            )
+        else:
+            uw = words.to(tl.uint32, bitcast=True)
+            dots = tl.zeros(words.shape, dtype=tl.float32)
+            for j in tl.static_range(8):
+                xj = tl.load(x_ptr + w_row * 8 + j, mask=row_ok, other=0.0).to(tl.float32)
+                qj = ((uw >> (4 * j)) & 15).to(tl.float32) - 8.0
+                dots += qj * xj[:, None]
+            return dots
+
+    @triton.jit
+    def _gemv_w4_m1_kernel(
+        x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
+        N, K, k_per_split,
+        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
+        USE_ASM: tl.constexpr,
+    ):
+        BLOCK_K: tl.constexpr = BLOCK_KW * 8
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+        rw = tl.arange(0, BLOCK_KW)
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        acc = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            w_row = k0 // 8 + rw
+            row_ok = w_row * 8 < k_end
+            mask = row_ok[:, None] & n_mask[None, :]
+            words = tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=mask, other=0)
+            p04, p15, p26, p37, xs = _x_pairs(x_ptr, w_row, row_ok)
+            dots = _word_dots(words, x_ptr, w_row, row_ok, p04, p15, p26, p37, USE_ASM)
+            if GROUP % BLOCK_K == 0:  # the whole tile is in one group: one scale row
+                g = k0 // GROUP
+                s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
+                m = tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32) + 8.0 * s
+                acc += dots * s[None, :] + xs[:, None] * m[None, :]
+            else:
+                g = (w_row * 8) // GROUP
+                offs = (g * N)[:, None] + rn[None, :]
+                s = tl.load(scales_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                m = tl.load(mins_ptr + offs, mask=mask, other=0.0).to(tl.float32) + 8.0 * s
+                acc += dots * s + xs[:, None] * m
+        total = tl.sum(acc, axis=0)[None, :]
+        _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K)
+
+    @triton.jit
+    def _gemv_w4_mn_kernel(
+        x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
+        M, N, K, k_per_split,
+        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
+        USE_ASM: tl.constexpr,
+    ):
+        # BLOCK_KW * 8 <= GROUP and divides it: one group per tile, scales applied after the dots
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+        rm = tl.arange(0, 16)
+        m_mask = rm < M
+        rw = tl.arange(0, BLOCK_KW)
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_KW * 8):
+            w_row = k0 // 8 + rw
+            row_ok = w_row * 8 < k_end
+            words = tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=row_ok[:, None] & n_mask[None, :], other=0)
+            x_base = x_ptr + rm[:, None] * K + (w_row * 8)[None, :]  # [16, KW]: x[m, 8r]
+            x_mask = m_mask[:, None] & row_ok[None, :]
+            if USE_ASM:
+                q0, q1, q2, q3, q4, q5, q6, q7 = tl.inline_asm_elementwise(
+                    _UNPACK8_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                    dtype=(tl.float16,) * 8, is_pure=True, pack=1,
+                )
+                d = tl.dot(tl.load(x_base, mask=x_mask, other=0.0), q0)
+                d += tl.dot(tl.load(x_base + 1, mask=x_mask, other=0.0), q1)
+                d += tl.dot(tl.load(x_base + 2, mask=x_mask, other=0.0), q2)
+                d += tl.dot(tl.load(x_base + 3, mask=x_mask, other=0.0), q3)
+                d += tl.dot(tl.load(x_base + 4, mask=x_mask, other=0.0), q4)
+                d += tl.dot(tl.load(x_base + 5, mask=x_mask, other=0.0), q5)
+                d += tl.dot(tl.load(x_base + 6, mask=x_mask, other=0.0), q6)
+                d += tl.dot(tl.load(x_base + 7, mask=x_mask, other=0.0), q7)
+            else:
+                uw = words.to(tl.uint32, bitcast=True)
+                d = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+                for j in tl.static_range(8):
+                    qj = (((uw >> (4 * j)) & 15).to(tl.float32) - 8.0).to(tl.float16)
+                    d += tl.dot(tl.load(x_base + j, mask=x_mask, other=0.0), qj)
+            xs = tl.zeros([16], dtype=tl.float32)
+            for j in tl.static_range(8):
+                xs += tl.sum(tl.load(x_base + j, mask=x_mask, other=0.0).to(tl.float32), axis=1)
+            g = k0 // GROUP
+            s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
+            m = tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32) + 8.0 * s
+            acc += d * s[None, :] + xs[:, None] * m[None, :]
+        _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n, pid_k, SPLIT_K)
+
+
+def _use_asm() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
+    """Whether gemv_w4 handles this call: 4 bits, fp16 rows (4-byte aligned: x is read as half2
+    pairs), K in whole words, and for more than one row groups that hold whole 128-k tiles."""
+    m, k = x.shape
+    return (
+        bits == 4 and x.dtype == torch.float16 and m <= 16 and k % 8 == 0 and x.data_ptr() % 4 == 0
+        and (m == 1 or group_size % 128 == 0)
+    )
+
+
+def gemv_w4(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+    split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
+    num_warps: int = 4, num_stages: int | None = None,
+) -> torch.Tensor:
+    """x [M <= 16, K] fp16 -> [M, N] fp16."""
+    m, k = x.shape
+    assert supports(x, 4, group_size), (x.shape, x.dtype, group_size)
+    n = qweight.shape[1]
+    assert (k // 8) * n < 2**31, "word offsets are int32"
+    x = x.contiguous()
+    if m == 1:
+        block_n = block_n or 256
+        block_kw = block_kw or 16
+    else:
+        block_n = block_n or 128
+        block_kw = block_kw or 16
+        if group_size % (block_kw * 8):
+            raise ValueError(f"block_kw {block_kw} must tile group {group_size}")
+    num_stages = num_stages or 2
+    block_k = block_kw * 8
+    col_blocks = triton.cdiv(n, block_n)
+    if split_k is None:  # about two waves of programs on 132 SMs
+        split_k = max(1, min(triton.cdiv(k, block_k), 264 // col_blocks, 16))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    counters = _counter_buffer(x.device, col_blocks)
+    args = (x, qweight, scales, mins, out, partial, counters)
+    common = dict(GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, USE_ASM=_use_asm(),
+                  num_warps=num_warps, num_stages=num_stages)
+    if m == 1:
+        _gemv_w4_m1_kernel[(col_blocks, split_k)](*args, n, k, k_per_split, **common)
+    else:
+        _gemv_w4_mn_kernel[(col_blocks, split_k)](*args, m, n, k, k_per_split, **common)
+    return out
