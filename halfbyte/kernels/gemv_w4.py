@@ -72,6 +72,9 @@ _UNPACK8_ASM = (
 
 
 if HAS_TRITON:
+    # jit functions read module globals only as constexprs
+    DOT8_ASM = tl.constexpr(_DOT8_ASM)
+    UNPACK8_ASM = tl.constexpr(_UNPACK8_ASM)
 
     @triton.jit
     def _x_pairs(x_ptr, w_row, row_ok):
@@ -90,26 +93,6 @@ if HAS_TRITON:
         xt = tl.load(x_ptr + (w_row * 8)[:, None] + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0.0)
         xs = tl.sum(xt.to(tl.float32), axis=1)
         return p04, p15, p26, p37, xs
-
-    @triton.jit
-    def _word_dots(words, x_ptr, w_row, row_ok, p04, p15, p26, p37, USE_ASM: tl.constexpr):
-        """[KW, N] fp32: sum over the word's 8 values of (q - 8) * x."""
-        if USE_ASM:
-            shape = words.shape
-            return tl.inline_asm_elementwise(
-                _DOT8_ASM, "=r,r,r,r,r,r",
-                [words, tl.broadcast_to(p04[:, None], shape), tl.broadcast_to(p15[:, None], shape),
-                 tl.broadcast_to(p26[:, None], shape), tl.broadcast_to(p37[:, None], shape)],
-                dtype=tl.float32, is_pure=True, pack=1,
-            )
-        else:
-            uw = words.to(tl.uint32, bitcast=True)
-            dots = tl.zeros(words.shape, dtype=tl.float32)
-            for j in tl.static_range(8):
-                xj = tl.load(x_ptr + w_row * 8 + j, mask=row_ok, other=0.0).to(tl.float32)
-                qj = ((uw >> (4 * j)) & 15).to(tl.float32) - 8.0
-                dots += qj * xj[:, None]
-            return dots
 
     @triton.jit
     def _gemv_w4_m1_kernel(
@@ -133,7 +116,21 @@ if HAS_TRITON:
             mask = row_ok[:, None] & n_mask[None, :]
             words = tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=mask, other=0)
             p04, p15, p26, p37, xs = _x_pairs(x_ptr, w_row, row_ok)
-            dots = _word_dots(words, x_ptr, w_row, row_ok, p04, p15, p26, p37, USE_ASM)
+            if USE_ASM:  # [KW, N] fp32: sum over each word's 8 values of (q - 8) * x
+                dots = tl.inline_asm_elementwise(
+                    DOT8_ASM, "=r,r,r,r,r,r",
+                    [words, tl.broadcast_to(p04[:, None], [BLOCK_KW, BLOCK_N]),
+                     tl.broadcast_to(p15[:, None], [BLOCK_KW, BLOCK_N]),
+                     tl.broadcast_to(p26[:, None], [BLOCK_KW, BLOCK_N]),
+                     tl.broadcast_to(p37[:, None], [BLOCK_KW, BLOCK_N])],
+                    dtype=tl.float32, is_pure=True, pack=1,
+                )
+            else:
+                uw = words.to(tl.uint32, bitcast=True)
+                dots = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
+                for j in tl.static_range(8):
+                    xj = tl.load(x_ptr + w_row * 8 + j, mask=row_ok, other=0.0).to(tl.float32)
+                    dots += (((uw >> (4 * j)) & 15).to(tl.float32) - 8.0) * xj[:, None]
             if GROUP % BLOCK_K == 0:  # the whole tile is in one group: one scale row
                 g = k0 // GROUP
                 s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
@@ -149,13 +146,31 @@ if HAS_TRITON:
         _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K)
 
     @triton.jit
+    def _nibble(uw, j: tl.constexpr):
+        return (((uw >> (4 * j)) & 15).to(tl.float32) - 8.0).to(tl.float16)
+
+    @triton.jit
+    def _dot_acc(d, xs, q, x_base, x_mask, j: tl.constexpr, WEIGHT_A: tl.constexpr):
+        """Adds value j's products to d and x's sums to xs (q: value j of every word, q - 8 in fp16)."""
+        xj = tl.load(x_base + j, mask=x_mask, other=0.0)
+        if WEIGHT_A:
+            d += tl.dot(q, xj)
+            xs += tl.sum(xj.to(tl.float32), axis=0)
+        else:
+            d += tl.dot(xj, q)
+            xs += tl.sum(xj.to(tl.float32), axis=1)
+        return d, xs
+
+    @triton.jit
     def _gemv_w4_mn_kernel(
         x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         M, N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
-        USE_ASM: tl.constexpr,
+        USE_ASM: tl.constexpr, WEIGHT_A: tl.constexpr,
     ):
-        # BLOCK_KW * 8 <= GROUP and divides it: one group per tile, scales applied after the dots
+        # BLOCK_KW * 8 divides GROUP: one group per tile, scales applied after the dots.
+        # WEIGHT_A: the weight tile is tl.dot's first operand (out^T = W x^T), which Hopper's MMA can
+        # take from registers; otherwise it is the second (out = x W^T), staged through shared memory.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -165,40 +180,51 @@ if HAS_TRITON:
         rw = tl.arange(0, BLOCK_KW)
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
-        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        if WEIGHT_A:
+            acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+        else:
+            acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_KW * 8):
             w_row = k0 // 8 + rw
             row_ok = w_row * 8 < k_end
-            words = tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=row_ok[:, None] & n_mask[None, :], other=0)
-            x_base = x_ptr + rm[:, None] * K + (w_row * 8)[None, :]  # [16, KW]: x[m, 8r]
-            x_mask = m_mask[:, None] & row_ok[None, :]
+            if WEIGHT_A:  # words [BLOCK_N, KW], x^T [KW, 16]: x[m, 8r]
+                words = tl.load(qw_ptr + (w_row * N)[None, :] + rn[:, None], mask=row_ok[None, :] & n_mask[:, None], other=0)
+                x_base = x_ptr + rm[None, :] * K + (w_row * 8)[:, None]
+                x_mask = m_mask[None, :] & row_ok[:, None]
+            else:  # words [KW, BLOCK_N], x [16, KW]
+                words = tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=row_ok[:, None] & n_mask[None, :], other=0)
+                x_base = x_ptr + rm[:, None] * K + (w_row * 8)[None, :]
+                x_mask = m_mask[:, None] & row_ok[None, :]
             if USE_ASM:
                 q0, q1, q2, q3, q4, q5, q6, q7 = tl.inline_asm_elementwise(
-                    _UNPACK8_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                    UNPACK8_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
                     dtype=(tl.float16,) * 8, is_pure=True, pack=1,
                 )
-                d = tl.dot(tl.load(x_base, mask=x_mask, other=0.0), q0)
-                d += tl.dot(tl.load(x_base + 1, mask=x_mask, other=0.0), q1)
-                d += tl.dot(tl.load(x_base + 2, mask=x_mask, other=0.0), q2)
-                d += tl.dot(tl.load(x_base + 3, mask=x_mask, other=0.0), q3)
-                d += tl.dot(tl.load(x_base + 4, mask=x_mask, other=0.0), q4)
-                d += tl.dot(tl.load(x_base + 5, mask=x_mask, other=0.0), q5)
-                d += tl.dot(tl.load(x_base + 6, mask=x_mask, other=0.0), q6)
-                d += tl.dot(tl.load(x_base + 7, mask=x_mask, other=0.0), q7)
             else:
                 uw = words.to(tl.uint32, bitcast=True)
-                d = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-                for j in tl.static_range(8):
-                    qj = (((uw >> (4 * j)) & 15).to(tl.float32) - 8.0).to(tl.float16)
-                    d += tl.dot(tl.load(x_base + j, mask=x_mask, other=0.0), qj)
+                q0, q1, q2, q3 = _nibble(uw, 0), _nibble(uw, 1), _nibble(uw, 2), _nibble(uw, 3)
+                q4, q5, q6, q7 = _nibble(uw, 4), _nibble(uw, 5), _nibble(uw, 6), _nibble(uw, 7)
+            d = tl.zeros(acc.shape, dtype=tl.float32)
             xs = tl.zeros([16], dtype=tl.float32)
-            for j in tl.static_range(8):
-                xs += tl.sum(tl.load(x_base + j, mask=x_mask, other=0.0).to(tl.float32), axis=1)
+            d, xs = _dot_acc(d, xs, q0, x_base, x_mask, 0, WEIGHT_A)
+            d, xs = _dot_acc(d, xs, q1, x_base, x_mask, 1, WEIGHT_A)
+            d, xs = _dot_acc(d, xs, q2, x_base, x_mask, 2, WEIGHT_A)
+            d, xs = _dot_acc(d, xs, q3, x_base, x_mask, 3, WEIGHT_A)
+            d, xs = _dot_acc(d, xs, q4, x_base, x_mask, 4, WEIGHT_A)
+            d, xs = _dot_acc(d, xs, q5, x_base, x_mask, 5, WEIGHT_A)
+            d, xs = _dot_acc(d, xs, q6, x_base, x_mask, 6, WEIGHT_A)
+            d, xs = _dot_acc(d, xs, q7, x_base, x_mask, 7, WEIGHT_A)
             g = k0 // GROUP
             s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
             m = tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32) + 8.0 * s
-            acc += d * s[None, :] + xs[:, None] * m[None, :]
-        _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n, pid_k, SPLIT_K)
+            if WEIGHT_A:
+                acc += d * s[:, None] + m[:, None] * xs[None, :]
+            else:
+                acc += d * s[None, :] + xs[:, None] * m[None, :]
+        if WEIGHT_A:
+            _write_out(tl.trans(acc), out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n, pid_k, SPLIT_K)
+        else:
+            _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n, pid_k, SPLIT_K)
 
 
 def _use_asm() -> bool:
@@ -218,7 +244,7 @@ def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
 def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
-    num_warps: int = 4, num_stages: int | None = None,
+    num_warps: int = 4, num_stages: int | None = None, weight_a: bool = False,
 ) -> torch.Tensor:
     """x [M <= 16, K] fp16 -> [M, N] fp16."""
     m, k = x.shape
@@ -250,5 +276,5 @@ def gemv_w4(
     if m == 1:
         _gemv_w4_m1_kernel[(col_blocks, split_k)](*args, n, k, k_per_split, **common)
     else:
-        _gemv_w4_mn_kernel[(col_blocks, split_k)](*args, m, n, k, k_per_split, **common)
+        _gemv_w4_mn_kernel[(col_blocks, split_k)](*args, m, n, k, k_per_split, WEIGHT_A=weight_a, **common)
     return out

@@ -53,7 +53,10 @@ if HAS_TRITON:
             tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(partial_ptr + pid_k * M * N + offs, acc, mask=mask)
+            # the scalar atomic runs on one thread: a CTA barrier first, so every warp's partial
+            # is written before the count (seen on the H200 as garbage sums at 512-wide tiles);
             # acq_rel: our partial is visible before the count, others' before we read them
+            tl.debug_barrier()
             done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
             if done == SPLIT_K - 1:
                 total = tl.zeros_like(acc)

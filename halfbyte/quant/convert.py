@@ -249,15 +249,21 @@ def run_layer(
     w_o = process(UNITS[1], _hessian(o_in), lw.matrices[UNITS[1]])
     h2 = stream + _linear(o_in, w_o, lw.biases[UNITS[1]])
     del o_in
-    if energies is not None:  # mean squared norm per token of the residual stream at each block's input
-        energies["attn_in"] = float(stream.square().sum(1).mean())
-        energies["mlp_in"] = float(h2.square().sum(1).mean())
+    if energies is not None:
+        # median over tokens of the squared norm: a few "attention sink" tokens carry residual
+        # norms 100x the rest and would dominate a mean
+        energies["attn_in"] = float(stream.square().sum(1).median())
+        energies["attn_out"] = float((h2 - stream).square().sum(1).median())
+        energies["mlp_in"] = float(h2.square().sum(1).median())
     x2 = rms_norm(h2, lw.post_norm.float(), eps)
     w_gu = process(UNITS[2], _hessian(x2), lw.matrices[UNITS[2]])
     act = torch.cat([silu_and_mul(_linear(c, w_gu, lw.biases[UNITS[2]])) for c in x2.split(_ROWS)])  # [T, inter]
     del x2
     w_d = process(UNITS[3], _hessian(act), lw.matrices[UNITS[3]])
-    return h2 + _linear(act, w_d, lw.biases[UNITS[3]])
+    mlp_out = _linear(act, w_d, lw.biases[UNITS[3]])
+    if energies is not None:
+        energies["mlp_out"] = float(mlp_out.square().sum(1).median())
+    return h2 + mlp_out
 
 
 # --- state under OUT.partial/ -----------------------------------------------------------------
@@ -328,8 +334,8 @@ def residual_weights(energies: dict[str, float]) -> dict[str, float]:
     power there. A matrix's relative output error becomes, to first order, that fraction of its
     block's output, so weight x rel_err estimates the noise-to-signal ratio it injects into the
     residual stream: errors in early layers, where the stream is still small, weigh more."""
-    attn = energies[UNITS[1]] / max(energies["attn_in"], 1e-30)
-    mlp = energies[UNITS[3]] / max(energies["mlp_in"], 1e-30)
+    attn = energies["attn_out"] / max(energies["attn_in"], 1e-30)
+    mlp = energies["mlp_out"] / max(energies["mlp_in"], 1e-30)
     return {UNITS[0]: attn, UNITS[1]: attn, UNITS[2]: mlp, UNITS[3]: mlp}
 
 
@@ -440,7 +446,7 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
         task = progress.add_task("measure", total=cfg.num_layers, info="")
         resumed = _load_stream(mdir / "measure" / "stream.safetensors")
         stale = any(
-            "energies" not in json.loads(f.read_text()) for f in sorted((mdir / "measure").glob("layer_*.json"))
+            "residual" not in json.loads(f.read_text()) for f in sorted((mdir / "measure").glob("layer_*.json"))
         )
         if stale:  # measured by an older version: measure again from the start
             resumed = None
@@ -455,11 +461,10 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
                 errors[unit] = measure_candidates(
                     w, h, cands, act_order=opts.act_order, damp=opts.damp, max_rows=opts.measure_rows
                 )
-                energies[unit] = 0.5 * float(((w @ h) * w).sum())  # mean squared norm of its output
                 return w
 
             stream = run_layer(cfg, lw, stream, lengths, rotary, measure, energies)
-            errors["energies"] = energies
+            errors["residual"] = energies
             _atomic_json(mdir / "measure" / f"layer_{i:05d}.json", errors)
             _save_stream(mdir / "measure" / "stream.safetensors", i + 1, stream)
             ref = next((j for j, c in enumerate(cands) if c.parts == ((1.0, 4),)), 0)
@@ -473,7 +478,7 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
         prefixes, costs, errs = [], [], []
         for i in range(cfg.num_layers):
             measured = json.loads((mdir / "measure" / f"layer_{i:05d}.json").read_text())
-            weights = residual_weights(measured["energies"])
+            weights = residual_weights(measured["residual"])
             for unit in UNITS:
                 n, k = shapes[unit]
                 prefixes.append(f"model.layers.{i}.{unit}")
