@@ -36,7 +36,7 @@ def prefill(model, pool, ids: torch.Tensor, table: list[int]) -> torch.Tensor:  
     return model.compute_logits(hidden[-1:])
 
 
-def time_decode(model, pool, decoder, context: int, steps: int, use_graph: bool) -> float:  # type: ignore[no-untyped-def]
+def time_decode(model, pool, decoder, context: int, steps: int, use_graph: bool, profile: bool = False) -> float:  # type: ignore[no-untyped-def]
     dev = model.device
     table = list(range(-(-(context + steps) // PAGE)))
     ids = torch.randint(0, model.cfg.vocab_size, (context,), device=dev)
@@ -44,6 +44,13 @@ def time_decode(model, pool, decoder, context: int, steps: int, use_graph: bool)
     token = logits.argmax(-1)
     tables = torch.tensor([table], dtype=torch.int32, device=dev)
     torch.cuda.synchronize()
+    prof = None
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as make_profiler
+
+        prof = make_profiler(activities=[ProfilerActivity.CUDA])
+        prof.__enter__()
     start = time.perf_counter()
     for i in range(steps):
         p = context + i
@@ -57,7 +64,12 @@ def time_decode(model, pool, decoder, context: int, steps: int, use_graph: bool)
             logits = model.compute_logits(model(token, pos, pool.kv_caches, meta))
         token = logits.argmax(-1)
     torch.cuda.synchronize()
-    return steps / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        print(f"GPU time per decode step, {steps} eager steps at context {context}:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16))
+    return steps / elapsed
 
 
 def main() -> None:
@@ -99,10 +111,9 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 prefill(model, pool, ids, table)
                 torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                time_decode(model, pool, decoder, 128, 4, False)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+            print("GPU time of one 2,048-token prefill:")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+            time_decode(model, pool, decoder, 128, 4, False, profile=True)
     peak = torch.cuda.max_memory_allocated() / 1e9
     bytes_per_token = (weights_gb + dense_gb - model.embed_tokens.numel() * 2 / 1e9) * 1e9
     result = dict(shape=args.shape, bits=args.bits, group=args.group, device=torch.cuda.get_device_name(),

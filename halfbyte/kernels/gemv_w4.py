@@ -244,7 +244,7 @@ def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
 def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
-    num_warps: int = 4, num_stages: int | None = None, weight_a: bool = False,
+    num_warps: int | None = None, num_stages: int | None = None, weight_a: bool = True,
 ) -> torch.Tensor:
     """x [M <= 16, K] fp16 -> [M, N] fp16."""
     m, k = x.shape
@@ -252,12 +252,14 @@ def gemv_w4(
     n = qweight.shape[1]
     assert (k // 8) * n < 2**31, "word offsets are int32"
     x = x.contiguous()
-    if m == 1:
-        block_n = block_n or 256
-        block_kw = block_kw or 16
+    wide = n >= 16384 and k <= 4096
+    if m == 1:  # the H200 sweep's winners (bench/gemv.py --sweep, BENCHMARKS.md)
+        block_n = block_n or (256 if wide else 128)
+        block_kw = block_kw or 32
+        num_warps = num_warps or (8 if wide else 4)
     else:
-        block_n = block_n or 128
-        block_kw = block_kw or 16
+        block_n, block_kw, num_warps = block_n or 256, block_kw or 16, num_warps or 4
+        num_stages = num_stages or 3
         if group_size % (block_kw * 8):
             raise ValueError(f"block_kw {block_kw} must tile group {group_size}")
     num_stages = num_stages or 2
