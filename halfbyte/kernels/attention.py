@@ -144,15 +144,16 @@ def prefill_attention_sdpa(
     out = torch.empty_like(q)
     for rows, qb, k, v, seq_len in _per_sequence(q, k_cache, v_cache, meta):
         n_new = qb.shape[1]
-        # KV heads repeated for their query groups: with enable_gqa torch 2.11 fell back to the
-        # fp32 math kernel (the H200 profile: 60% of a 2,048-token prefill); flash needs equal heads
+        # flash attention takes 4-D [batch, heads, L, D] inputs with equal head counts: 3-D or GQA
+        # inputs sent torch 2.11 to its fp32 math kernel (60% of a 2,048-token prefill on the H200)
         group = qb.shape[0] // k.shape[0]
         if group > 1:
             k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+        qb, k, v = qb.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         if n_new == seq_len and not (sliding_window is not None and seq_len > sliding_window):
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale)
         else:
             mask = _causal_mask(n_new, seq_len, sliding_window, q.device)
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
-        out[rows] = o.transpose(0, 1)
+        out[rows] = o[0].transpose(0, 1)
     return out
