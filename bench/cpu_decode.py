@@ -1,13 +1,18 @@
 """CPU decode speed on the embedded default model: halfbyte beside transformers, same run.
 
-Usage: python bench/cpu_decode.py [--model DIR] [--new-tokens 128] [--json OUT.json]
-Prints a table last; the ratio is the number to track (BENCHMARKS.md)."""
+Usage: python bench/cpu_decode.py [--model DIR] [--quantized DIR] [--new-tokens 128] [--json OUT.json]
+
+Rows: halfbyte's fp32 reference path on the dequantized import; halfbyte's 4-bit path (the
+GGUF's own Q4_1 weights imported bit-exact, bf16 activations, torch's int4 CPU kernel);
+transformers fp32 and bf16 on the dequantized import. Prints a table last; the ratios are the
+numbers to track (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +22,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from halfbyte import LLM, SamplingParams  # noqa: E402
-from halfbyte.io.default_model import ensure_default_model  # noqa: E402
+from halfbyte.io.default_model import default_gguf_path, ensure_default_model, halfbyte_home  # noqa: E402
+
+
+def default_quantized_dir() -> Path:
+    """The default GGUF imported with its Q4_1 weights kept (bit-exact), made once."""
+    out = halfbyte_home() / "models" / "SmolLM2-135M-Instruct-Q4_1"
+    if not (out / "config.json").exists():
+        ensure_default_model(fetch=True)
+        subprocess.run([sys.executable, "-m", "halfbyte.cli", "import", str(default_gguf_path()), str(out)], check=True)
+    return out
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -36,11 +50,11 @@ def bench_halfbyte(model_dir: Path, new_tokens: int, dtype: str) -> dict[str, fl
         return {"tokens_per_s": (new_tokens - 1) / (total - ttft), "ttft_s": ttft, "prompt_tokens": len(prompt_ids)}
 
 
-def bench_transformers(model_dir: Path, new_tokens: int) -> dict[str, float]:
+def bench_transformers(model_dir: Path, new_tokens: int, dtype: torch.dtype) -> dict[str, float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).eval()
     ids = tok(PROMPT, return_tensors="pt").input_ids
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=8, do_sample=False)  # warm-up
@@ -57,27 +71,35 @@ def bench_transformers(model_dir: Path, new_tokens: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
+    ap.add_argument("--quantized", default=None, help="halfbyte 4-bit directory (default: import the default GGUF)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else ensure_default_model(fetch=True)
+    quant_dir = Path(args.quantized) if args.quantized else default_quantized_dir()
     rows = {
         "halfbyte fp32": bench_halfbyte(model_dir, args.new_tokens, "float32"),
-        "transformers fp32": bench_transformers(model_dir, args.new_tokens),
+        "halfbyte 4-bit bf16": bench_halfbyte(quant_dir, args.new_tokens, "bfloat16"),
+        "transformers fp32": bench_transformers(model_dir, args.new_tokens, torch.float32),
+        "transformers bf16": bench_transformers(model_dir, args.new_tokens, torch.bfloat16),
     }
+    speed = {name: r["tokens_per_s"] for name, r in rows.items()}
     result = {
         "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
         "threads": args.threads, "torch": torch.__version__, "new_tokens": args.new_tokens, "rows": rows,
-        "ratio": rows["halfbyte fp32"]["tokens_per_s"] / rows["transformers fp32"]["tokens_per_s"],
+        "ratio": speed["halfbyte fp32"] / speed["transformers fp32"],
+        "ratio_4bit": speed["halfbyte 4-bit bf16"] / speed["transformers fp32"],
+        "ratio_4bit_vs_bf16": speed["halfbyte 4-bit bf16"] / speed["transformers bf16"],
     }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"\n{'engine':<20}{'decode tok/s':>14}{'TTFT ms':>10}")
+    print(f"\n{'engine':<22}{'decode tok/s':>14}{'TTFT ms':>10}")
     for name, r in rows.items():
-        print(f"{name:<20}{r['tokens_per_s']:>14.1f}{r['ttft_s'] * 1000:>10.1f}")
-    print(f"halfbyte / transformers decode: {result['ratio']:.2f}x")
+        print(f"{name:<22}{r['tokens_per_s']:>14.1f}{r['ttft_s'] * 1000:>10.1f}")
+    print(f"halfbyte fp32 / transformers fp32: {result['ratio']:.2f}x; halfbyte 4-bit / transformers fp32: "
+          f"{result['ratio_4bit']:.2f}x; halfbyte 4-bit / transformers bf16: {result['ratio_4bit_vs_bf16']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -133,8 +133,8 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, QuantLinear):
                 module.prepare_for_inference(self.device)
-        if self.device.type != "cpu":
-            return
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return  # (bf16 on the CPU: F.linear on W beat mm on W^T, 3.1 vs 5.0 ms for SmolLM2's head)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.transpose_weight()
