@@ -125,11 +125,10 @@ def main() -> None:
             new = lambda x, q, s_, m_, **c: gemv_w4.gemv_w4(x, q, s_, m_, args.group, **c)  # noqa: E731
             grid1, grid16 = [{}], [{}]
             if args.sweep:
-                grid1 = [dict(block_n=bn, block_kw=kw, num_warps=w)
-                         for bn, kw, w in itertools.product((128, 256, 512), (16, 32), (4, 8))]
-                grid1 += [dict(block_n=256, block_kw=32, split_k=sk) for sk in (1, 2, 4, 8)]
-                grid16 = [dict(block_n=bn, block_kw=16, num_warps=w, num_stages=st, weight_a=wa)
-                          for bn, w, st, wa in itertools.product((64, 128, 256), (4,), (2, 3), (False, True))]
+                grid1 = [{}] + [dict(block_n=bn, block_kw=kw, split_k=sk, num_stages=st)
+                                for bn, kw, sk, st in itertools.product((64, 128), (32, 64), (None, 16), (2, 4))]
+                grid16 = [{}] + [dict(block_n=bn, num_warps=w, num_stages=st, split_k=sk)
+                                 for bn, w, st, sk in itertools.product((128, 256), (4, 8), (3, 4), (None, 8))]
             best1, best16 = pick(new, grid1, x1, ref1), pick(new, grid16, x16, ref16)
             if best1 is None or best16 is None:
                 raise SystemExit(f"{name}: every gemv_w4 config failed (see stderr)")
