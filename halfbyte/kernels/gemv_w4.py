@@ -227,6 +227,20 @@ if HAS_TRITON:
             _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n, pid_k, SPLIT_K)
 
 
+# (N, K) -> (block_n, block_kw, split_k or None for about two waves, stages, warps): the H200
+# sweep's winners for Llama-3 8B / 70B shapes (bench/gemv.py --sweep; BENCHMARKS.md)
+_M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int]] = {
+    (6144, 4096): (128, 64, None, 4, 4),  # 8B qkv
+    (4096, 4096): (64, 64, 16, 2, 4),  # 8B o
+    (28672, 4096): (64, 32, None, 4, 4),  # 8B gate_up
+    (4096, 14336): (64, 32, 16, 4, 4),  # 8B down
+    (10240, 8192): (512, 16, None, 2, 4),  # 70B qkv
+    (8192, 8192): (128, 64, None, 2, 4),  # 70B o
+    (57344, 8192): (128, 32, None, 2, 4),  # 70B gate_up
+    (8192, 28672): (256, 32, None, 2, 8),  # 70B down
+}
+
+
 def _use_asm() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -252,11 +266,15 @@ def gemv_w4(
     n = qweight.shape[1]
     assert (k // 8) * n < 2**31, "word offsets are int32"
     x = x.contiguous()
-    wide = n >= 16384 and k <= 4096
-    if m == 1:  # the H200 sweep's winners (bench/gemv.py --sweep, BENCHMARKS.md)
-        block_n = block_n or (256 if wide else 128)
-        block_kw = block_kw or 32
-        num_warps = num_warps or (8 if wide else 4)
+    if m == 1:
+        tuned = _M1_TUNED.get((n, k))
+        if tuned is None:  # untuned shapes: what won most often
+            tuned = (64, 32, None, 4, 4) if n * k >= 32 * 2**20 else (128, 64, None, 4, 4)
+        block_n = block_n or tuned[0]
+        block_kw = block_kw or tuned[1]
+        split_k = split_k if split_k is not None else tuned[2]
+        num_stages = num_stages or tuned[3]
+        num_warps = num_warps or tuned[4]
     else:
         block_n, block_kw, num_warps = block_n or 256, block_kw or 16, num_warps or 4
         num_stages = num_stages or 3
