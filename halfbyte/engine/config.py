@@ -29,14 +29,18 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, quantized: bool = False) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise InvalidParameterError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         return dtype
     if dtype == "auto":
-        # fp32 on the CPU: the reference path, and bf16 matmuls are slow on most CPUs
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        # fp32 on the CPU: the reference path, and bf16 matmuls are slow on most CPUs. On CUDA,
+        # quantized models run fp16 activations (the fp16x2 4-bit kernels; exllamav2 does the
+        # same), dense ones bf16
+        if device.type != "cuda":
+            return torch.float32
+        return torch.float16 if quantized else torch.bfloat16
     if dtype not in _DTYPES:
         raise InvalidParameterError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
     return _DTYPES[dtype]

@@ -15,7 +15,7 @@ from halfbyte.engine.runner import ModelRunner
 from halfbyte.engine.scheduler import Scheduler
 from halfbyte.engine.sequence import Sequence, SequenceStatus
 from halfbyte.errors import InvalidParameterError, PromptTooLongError
-from halfbyte.io.model_dir import read_optional_json
+from halfbyte.io.model_dir import read_optional_json, resolve_model_dir
 from halfbyte.model.config import ModelConfig
 from halfbyte.model.loader import load_pretrained
 from halfbyte.model.rope import RopeScaling
@@ -46,7 +46,8 @@ class LLMEngine:
     ) -> None:
         self.config = config or EngineConfig()
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        quantized = model is not None and "quantization" in read_optional_json(resolve_model_dir(model) / "config.json")
+        self.dtype = resolve_dtype(dtype, self.device, quantized)
         if self.device.type == "cuda":  # GPU.md: cuDNN SDPA costs ~2 ms of CPU per call
             torch.backends.cuda.enable_cudnn_sdp(False)
         loaded = load_pretrained(model, self.dtype, self.device, rope_scaling, show_progress)
