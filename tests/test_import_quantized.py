@@ -563,11 +563,6 @@ def test_biases_are_fused_with_their_projections(biased_import: tuple[Path, Path
     assert torch.equal(ours["model.layers.0.self_attn.o_proj.bias"], ref["model.layers.0.self_attn.o_proj.bias"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="QuantLinear.bias is an nn.Parameter, so load_hf_weights reports it missing from the dense stream; "
-    "registering it as a buffer in halfbyte/model/quant_linear.py fixes this (then drop this marker)",
-)
 def test_quantized_layers_with_biases_load(biased_import: tuple[Path, Path]) -> None:
     hb, twin = biased_import
     diff = (_logits(hb, IDS) - _logits(twin, IDS)).abs().max().item()

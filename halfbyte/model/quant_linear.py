@@ -21,7 +21,10 @@ class QuantLinear(nn.Module):
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         self.qweight = weight
-        self.bias = nn.Parameter(bias.to(dtype), False) if bias is not None else None
+        # a buffer, not a Parameter: the dense-weight loader fills every Parameter from the stream,
+        # and this bias arrives with the quantized tensors instead
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", bias.to(dtype) if bias is not None else None, persistent=False)
         self.dtype = dtype
         self.dense_t: torch.Tensor | None = None
         self.cpu_int4: list[tuple[int, int, cpu_int4.CpuInt4Weight]] = []
