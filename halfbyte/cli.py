@@ -1,4 +1,4 @@
-"""The `halfbyte` command line: generate, chat, import-gguf, fetch-default."""
+"""The `halfbyte` command line: generate, chat, serve, import-gguf, fetch-default."""
 
 from __future__ import annotations
 
@@ -92,6 +92,24 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             messages.append({"role": "assistant", "content": "".join(answer)})
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from halfbyte.async_llm import AsyncLLM
+    from halfbyte.server.app import run_server
+
+    if args.model is None and args.fetch:
+        from halfbyte.io.default_model import ensure_default_model
+
+        ensure_default_model(fetch=True, show_progress=True)
+    llm = AsyncLLM(
+        args.model, dtype=args.dtype, device=args.device, rope_scaling=args.rope_scaling,
+        max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting, show_progress=sys.stderr.isatty(),
+    )
+    name = args.served_model_name or llm.engine.model_dir.name
+    run_server(llm, name, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
+    return 0
+
+
 def _cmd_import_gguf(args: argparse.Namespace) -> int:
     from halfbyte.io.gguf_import import import_gguf
 
@@ -123,6 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=_cmd_chat)
+
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ routes")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model directory's name)")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
+    serve.add_argument("--kv-cache-tokens", type=int, default=None, help="KV-cache size in tokens (default: the context window)")
+    serve.add_argument("--max-waiting", type=int, default=256, help="requests admitted beyond --max-num-seqs; past it: HTTP 503")
+    serve.add_argument("--log-level", default="info", help="uvicorn's log level")
+    serve.set_defaults(func=_cmd_serve)
 
     imp = sub.add_parser("import-gguf", help="convert a llama GGUF file into a model directory")
     imp.add_argument("file")
