@@ -100,7 +100,7 @@ class LLM:
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]
         token_lists = [self._tokenize(p) for p in prompts]  # type: ignore[arg-type]
         return self._run(token_lists, self._per_prompt(params, len(token_lists)), on_token)
 
@@ -118,7 +118,7 @@ class LLM:
     def stream(self, prompt: Prompt | list[Message], params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one prompt (or one conversation) as they are generated."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            ids = self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
+            ids = self.tokenizer.encode_chat(prompt)
         else:
             ids = self._tokenize(prompt)  # type: ignore[arg-type]
         rid = f"stream-{next(self._ids)}"
