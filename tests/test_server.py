@@ -302,3 +302,20 @@ def test_mypy_strict_on_the_public_modules() -> None:
     r = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", *files],
                        cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_prefix_cache_hits_show_in_metrics(server: Server) -> None:
+    import dataclasses
+
+    from halfbyte.engine.config import EngineConfig
+
+    if "enable_prefix_caching" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        pytest.skip("this engine has no prefix cache")
+    prompt = "Here is a long shared system preamble that many requests repeat word for word. " * 4
+    client = server.client()
+    client.completions.create(model=server.model, prompt=prompt + "First", max_tokens=2, temperature=0)
+    before = server.metrics()
+    client.completions.create(model=server.model, prompt=prompt + "Second", max_tokens=2, temperature=0)
+    after = server.metrics()
+    assert after["halfbyte_prefix_cache_hit_tokens"] >= before["halfbyte_prefix_cache_hit_tokens"] + 32
+    assert after["halfbyte_prefix_cache_hit_rate"] > 0

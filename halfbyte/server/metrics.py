@@ -6,19 +6,38 @@ AsyncLLM and its page pool at scrape time."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from halfbyte.async_llm import AsyncLLM
+from halfbyte.engine.llm_engine import LLMEngine
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
-def _prefix_cache_hit_rate(engine: object) -> float:
-    """Hit tokens / queried tokens, from the engine's prefix-cache counters when it has them."""
-    hits = float(getattr(engine, "prefix_cache_hit_tokens", getattr(engine, "prefix_cache_hits", 0)) or 0)
-    queries = float(getattr(engine, "prefix_cache_query_tokens", getattr(engine, "prefix_cache_queries", 0)) or 0)
-    return hits / queries if queries > 0 else 0.0
+def _engine_stat(engine: LLMEngine, name: str) -> float:
+    """A field of engine.stats() when the engine has it (0 otherwise): read, never required."""
+    stats_fn = getattr(engine, "stats", None)
+    return float(getattr(stats_fn(), name, 0)) if callable(stats_fn) else 0.0
+
+
+def _stat_reader(engine: LLMEngine, name: str) -> Callable[[], float]:
+    return lambda: _engine_stat(engine, name)
+
+
+def _prefix_cache_tokens(engine: LLMEngine) -> tuple[float, float]:
+    """(hit, miss) prompt tokens of the prefix cache; (0, 0) without one."""
+    hits, misses = _engine_stat(engine, "prefix_hit_tokens"), _engine_stat(engine, "prefix_miss_tokens")
+    if hits or misses:
+        return hits, misses
+    stats = getattr(getattr(engine.pool, "prefix", None), "stats", None)  # the pool's own counters
+    return float(getattr(stats, "hit_tokens", 0)), float(getattr(stats, "miss_tokens", 0))
+
+
+def _prefix_cache_hit_rate(engine: LLMEngine) -> float:
+    hits, misses = _prefix_cache_tokens(engine)
+    return hits / (hits + misses) if hits + misses > 0 else 0.0
 
 
 class ServerMetrics:
@@ -57,6 +76,14 @@ class ServerMetrics:
         Gauge("halfbyte_prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens", registry=reg).set_function(
             lambda: _prefix_cache_hit_rate(llm.engine)
         )
+        Gauge("halfbyte_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache (a counter)",
+              registry=reg).set_function(lambda: _prefix_cache_tokens(llm.engine)[0])
+        Gauge("halfbyte_prefix_cache_miss_tokens", "Prompt tokens computed (a counter)",
+              registry=reg).set_function(lambda: _prefix_cache_tokens(llm.engine)[1])
+        for field, doc in (("num_waiting", "Sequences the engine's scheduler has not started"),
+                           ("num_running", "Sequences the engine's scheduler is running"),
+                           ("num_preemptions", "Sequences preempted for KV-cache room (a counter)")):
+            Gauge(f"halfbyte_engine_{field}", doc, registry=reg).set_function(_stat_reader(llm.engine, field))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
