@@ -43,6 +43,7 @@ class LLMEngine:
         rope_scaling: RopeScaling | str | None = None,
         config: EngineConfig | None = None,
         show_progress: bool = False,
+        tensor_parallel_size: int | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.device = resolve_device(device)
@@ -50,7 +51,14 @@ class LLMEngine:
         self.dtype = resolve_dtype(dtype, self.device, quantized)
         if self.device.type == "cuda":  # GPU.md: cuDNN SDPA costs ~2 ms of CPU per call
             torch.backends.cuda.enable_cudnn_sdp(False)
-        loaded = load_pretrained(model, self.dtype, self.device, rope_scaling, show_progress)
+        self.tp = None  # tensor parallelism (halfbyte/distributed/): None runs the plain path
+        if tensor_parallel_size is None:
+            loaded = load_pretrained(model, self.dtype, self.device, rope_scaling, show_progress)
+        else:
+            from halfbyte.distributed.engine_setup import load_tensor_parallel
+
+            model_dir = resolve_model_dir(model)
+            loaded, self.tp = load_tensor_parallel(model_dir, tensor_parallel_size, self.dtype, self.device, rope_scaling)
         self.model_dir = loaded.model_dir
         self.model_config = model_cfg = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -59,9 +67,14 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len or model_cfg.max_position_embeddings
         page = self.config.page_size
         kv_tokens = self.config.kv_cache_tokens or self.max_model_len
-        self.pool = PagePool(model_cfg, max(16, -(-kv_tokens // page)), page, self.dtype, self.device)
+        kv_cfg = self.tp.local_config if self.tp is not None else model_cfg  # a rank's pages hold its KV heads
+        self.pool = PagePool(kv_cfg, max(16, -(-kv_tokens // page)), page, self.dtype, self.device)
         self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_batch_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.config.max_num_seqs, self.max_model_len)
+        if self.tp is not None:
+            from halfbyte.distributed.engine_setup import attach
+
+            attach(self.tp, self.pool, self.runner)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
 
@@ -162,5 +175,8 @@ class LLMEngine:
             self.abort_request(rid)
         self.pool.kv_caches.clear()
         del self.model
+        if self.tp is not None:
+            self.tp.shutdown()
+            self.tp = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

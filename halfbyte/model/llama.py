@@ -117,13 +117,18 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm: [T, hidden]."""
         cos, sin = self.rotary.cos_sin(positions, seq_len=max(meta.seq_lens))
-        x = embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv, meta)
         assert residual is not None
         x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]. A seam: the tensor-parallel model (parallel_llama.py) looks up its
+        vocabulary shard here and all-reduces."""
+        return embedding(input_ids, self.embed_tokens)
 
     def prepare_for_inference(self) -> None:
         """Lay weights out for the device after loading. On the CPU, W^T halves the GEMV time

@@ -1,0 +1,47 @@
+"""One rank's shard of a LlamaModel under tensor parallelism.
+
+Built from the rank's local config (its heads, KV heads, intermediate and vocabulary ranges;
+plan.py), the network runs unchanged on its shard: q/k/v and gate/up are column-parallel by
+construction, o_proj and down_proj become row-parallel (parallel_linear.py), and the two
+vocabulary ends are overridden here: the embedding looks up its rows and all-reduces, the LM
+head computes its logits and all-gathers them."""
+
+from __future__ import annotations
+
+import torch
+
+from halfbyte.distributed.collectives import Collectives
+from halfbyte.distributed.plan import RankPlan, TensorParallelPlan
+from halfbyte.kernels.embedding import embedding
+from halfbyte.model.config import ModelConfig
+from halfbyte.model.llama import LlamaModel
+from halfbyte.model.parallel_linear import RowParallelLinear
+
+
+class ParallelLlamaModel(LlamaModel):
+    def __init__(
+        self, cfg: ModelConfig, plan: TensorParallelPlan, rank: int, dtype: torch.dtype, device: torch.device,
+        comm: Collectives,
+    ) -> None:
+        local = plan[rank].local_config(cfg)
+        super().__init__(local, dtype, device)
+        self.global_cfg = cfg
+        self.plan = plan
+        self.rank_plan: RankPlan = plan[rank]
+        self.comm = comm
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.o_proj = RowParallelLinear(local.q_size, cfg.hidden_size, cfg.o_bias, dtype, device, comm)
+            mlp.down_proj = RowParallelLinear(local.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device, comm)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        v0, v1 = self.rank_plan.vocab
+        mine = (input_ids >= v0) & (input_ids < v1)
+        local = embedding((input_ids - v0).clamp(0, v1 - v0 - 1), self.embed_tokens)  # [T, hidden]
+        local = local * mine.unsqueeze(-1).to(local.dtype)
+        return self.comm.all_reduce(local)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab] (every rank gets the whole row)."""
+        local = super().compute_logits(hidden)
+        return self.comm.all_gather_last(local, [b - a for a, b in self.plan.vocab_ranges])
