@@ -32,10 +32,18 @@ def load_tensor_parallel(
 
 
 def attach(group: TensorParallelGroup, pool: PagePool, runner: ModelRunner) -> None:
-    """Workers allocate the same KV pages for their heads; the runner broadcasts each step. CUDA
-    graphs stay for one rank only: a graph replayed on rank 0 alone would desynchronize the
-    collectives (capturing them on every rank is the GPU half, not done yet)."""
+    """Workers allocate the same KV pages for their heads and mirror the pool's page copies.
+    CUDA graphs stay for one rank only: a graph replayed on rank 0 alone would skip the driver
+    and desynchronize the collectives (capturing them on every rank is the GPU half, not done)."""
     group.start_pool(pool)
-    runner.step_broadcast = group.broadcast_step
     if group.world_size > 1:
         runner.graphs = None
+        copies = getattr(pool, "apply_copies", None)
+        if copies is not None:  # the paged engine's prefix cache / copy-on-write
+
+            def apply_copies_on_every_rank() -> None:
+                pending = list(getattr(pool, "pending_copies", []))
+                group.copy_pages([c[0] for c in pending], [c[1] for c in pending])
+                copies()
+
+            pool.apply_copies = apply_copies_on_every_rank  # type: ignore[method-assign]

@@ -1,8 +1,9 @@
 """Rank 0's side of tensor parallelism: validate the plan, start the other ranks (spawned, or
 already launched by torchrun), load rank 0's shard, and broadcast each step to the workers.
 
-The engine keeps its scheduler and sampler on rank 0 and talks to this object through two
-seams: `broadcast_step` (called by the runner before each forward) and the pool geometry."""
+The engine keeps its scheduler, runner and sampler on rank 0. Rank 0's model shard calls this
+object (its driver) before each forward and logits call, which broadcasts the call to the
+workers; KV page copies the pool makes (prefix cache, copy-on-write) are mirrored the same way."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from halfbyte.distributed.process_group import (
     check_devices, destroy_groups, free_port, init_groups, launched_by_torchrun, rank_device,
 )
 from halfbyte.distributed.shard_loading import load_shard
-from halfbyte.distributed.step_messages import POOL, STEP, STOP, broadcast, gather_to_all, pack_step
+from halfbyte.distributed.step_messages import (
+    COPY, LOGITS, POOL, STEP, STOP, broadcast, broadcast_rows, gather_to_all, pack_step,
+)
 from halfbyte.distributed.worker import ShardSpec, load_status, memory_report, worker_main
 from halfbyte.engine.kv_cache import PagePool
 from halfbyte.io.model_dir import read_json
@@ -86,6 +89,7 @@ class TensorParallelGroup:
         assert model is not None
         self.model = model
         self.comm = model.comm
+        model.driver = self
 
     @property
     def local_config(self) -> ModelConfig:
@@ -102,10 +106,20 @@ class TensorParallelGroup:
             self.memory = gather_to_all(mine, self.groups.control)
         return self.memory
 
-    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        """The runner's seam: the workers run this same forward on their shards."""
-        if self.groups is not None:
-            broadcast((STEP, pack_step(input_ids, positions, meta)), self.groups.control)
+    # --- the driver: rank 0's model announces its calls ------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        assert self.groups is not None
+        broadcast((STEP, pack_step(input_ids, positions, meta)), self.groups.control)
+
+    def logits(self, hidden: torch.Tensor) -> None:
+        assert self.groups is not None
+        broadcast((LOGITS, tuple(hidden.shape)), self.groups.control)
+        broadcast_rows(hidden, tuple(hidden.shape), hidden.dtype, hidden.device, self.groups.compute)
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        if self.groups is not None and src:
+            broadcast((COPY, src, dst), self.groups.control)
 
     def shutdown(self) -> None:
         if self.groups is not None:

@@ -1,6 +1,6 @@
 """What rank 0 broadcasts to the workers each step: the runner's prepared tensors (input ids,
-positions, attention metadata with slot mapping and block tables), as CPU objects over the
-gloo control group."""
+positions, attention metadata with slot mapping and block tables) and KV page copies, as CPU
+objects over the gloo control group; the hidden rows of a logits call as one tensor."""
 
 from __future__ import annotations
 
@@ -12,7 +12,17 @@ import torch.distributed as dist
 
 from halfbyte.kernels.attention import AttentionMetadata
 
-STEP, POOL, STOP = "step", "pool", "stop"
+STEP, LOGITS, COPY, POOL, STOP = "step", "logits", "copy", "pool", "stop"
+
+
+def broadcast_rows(hidden: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
+                   group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The hidden rows rank 0 computes logits for, sent over the compute group (NCCL on GPUs)."""
+    if hidden is None:
+        hidden = torch.empty(shape, dtype=dtype, device=device)
+    hidden = hidden.contiguous()
+    dist.broadcast(hidden, src=0, group=group)
+    return hidden
 
 
 def _cpu(v: Any) -> Any:

@@ -13,7 +13,9 @@ from halfbyte.distributed.collectives import Collectives
 from halfbyte.distributed.plan import TensorParallelPlan
 from halfbyte.distributed.process_group import Groups, destroy_groups, init_groups, rank_device
 from halfbyte.distributed.shard_loading import load_shard, shard_bytes
-from halfbyte.distributed.step_messages import POOL, STEP, STOP, broadcast, gather_to_all, unpack_step
+from halfbyte.distributed.step_messages import (
+    COPY, LOGITS, POOL, STEP, STOP, broadcast, broadcast_rows, gather_to_all, unpack_step,
+)
 from halfbyte.engine.kv_cache import PagePool
 from halfbyte.model.config import ModelConfig
 from halfbyte.model.parallel_llama import ParallelLlamaModel
@@ -77,9 +79,17 @@ def serve(model: ParallelLlamaModel, groups: Groups, device: torch.device) -> No
         elif kind == STEP:
             assert pool is not None, "a step before the KV-cache pool"
             input_ids, positions, meta = unpack_step(msg[1], device)
-            hidden = model(input_ids, positions, pool.kv_caches, meta)
-            last = torch.tensor(meta.query_start[1:], device=device) - 1
-            model.compute_logits(hidden[last])  # joins the logits all-gather; rank 0 samples
+            model(input_ids, positions, pool.kv_caches, meta)
+        elif kind == LOGITS:  # rank 0's rows: every rank holds the same hidden states
+            rows = broadcast_rows(None, msg[1], model.dtype, device, groups.compute)
+            model.compute_logits(rows)  # joins the logits all-gather; rank 0 samples
+        elif kind == COPY:
+            assert pool is not None
+            src = torch.tensor(msg[1], device=device)
+            dst = torch.tensor(msg[2], device=device)
+            for k, v in pool.kv_caches:
+                k[dst] = k[src]
+                v[dst] = v[src]
 
 
 def worker_main(rank: int, world_size: int, init_method: str | None, spec: ShardSpec) -> None:

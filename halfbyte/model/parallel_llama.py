@@ -4,18 +4,30 @@ Built from the rank's local config (its heads, KV heads, intermediate and vocabu
 plan.py), the network runs unchanged on its shard: q/k/v and gate/up are column-parallel by
 construction, o_proj and down_proj become row-parallel (parallel_linear.py), and the two
 vocabulary ends are overridden here: the embedding looks up its rows and all-reduces, the LM
-head computes its logits and all-gathers them."""
+head computes its logits and all-gathers them.
+
+On rank 0 a `driver` (distributed/launcher.py) announces every forward and logits call to the
+worker ranks before running it, so the workers make the same calls (and join the same
+collectives) whatever the engine's runner does between them: the runner needs no change."""
 
 from __future__ import annotations
 
 import torch
 
+from typing import Protocol
+
 from halfbyte.distributed.collectives import Collectives
 from halfbyte.distributed.plan import RankPlan, TensorParallelPlan
+from halfbyte.kernels.attention import AttentionMetadata
 from halfbyte.kernels.embedding import embedding
 from halfbyte.model.config import ModelConfig
-from halfbyte.model.llama import LlamaModel
+from halfbyte.model.llama import KVCache, LlamaModel
 from halfbyte.model.parallel_linear import RowParallelLinear
+
+
+class Driver(Protocol):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None: ...
+    def logits(self, hidden: torch.Tensor) -> None: ...
 
 
 class ParallelLlamaModel(LlamaModel):
@@ -29,6 +41,14 @@ class ParallelLlamaModel(LlamaModel):
         self.plan = plan
         self.rank_plan: RankPlan = plan[rank]
         self.comm = comm
+        self.driver: Driver | None = None  # rank 0 of several: tells the workers what to run
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.driver is not None:
+            self.driver.forward(input_ids, positions, meta)
+        return super().forward(input_ids, positions, kv_caches, meta)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.o_proj = RowParallelLinear(local.q_size, cfg.hidden_size, cfg.o_bias, dtype, device, comm)
@@ -43,5 +63,7 @@ class ParallelLlamaModel(LlamaModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab] (every rank gets the whole row)."""
+        if self.driver is not None:
+            self.driver.logits(hidden)
         local = super().compute_logits(hidden)
         return self.comm.all_gather_last(local, [b - a for a, b in self.plan.vocab_ranges])
