@@ -5,6 +5,7 @@ against each format's reference dequantization."""
 from __future__ import annotations
 
 import json
+import shutil
 import math
 from pathlib import Path
 
@@ -579,3 +580,25 @@ def test_large_outputs_are_sharded_with_an_index(tiny_hf: Path, tmp_path: Path, 
     index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3 and not (tmp_path / "many" / "model.safetensors").exists()
     assert torch.equal(_logits(tmp_path / "many", IDS), _logits(tmp_path / "one", IDS))
+
+
+def test_foreign_checkpoints_load_directly(
+    tiny_hf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model_dir: Path
+) -> None:
+    """LLM(path) / --model path on a GPTQ or AWQ directory imports it once into the cache and loads it."""
+    from halfbyte.api import LLM, SamplingParams
+
+    monkeypatch.setenv("HALFBYTE_CACHE", str(tmp_path / "cache"))
+    for method in ("gptq", "awq"):
+        perms = "shared" if method == "gptq" else "none"  # AWQ has no act-order permutation
+        foreign, twin = _write_foreign(tiny_hf, tmp_path / method, method, perms)
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # the tiny model has none of its own
+            shutil.copy(default_model_dir / name, foreign / name)
+        with LLM(foreign, device="cpu") as llm:
+            imported = llm.engine.model_dir
+            out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert imported != foreign and "quantization" in json.loads((imported / "config.json").read_text())
+        assert len(out[0].token_ids) == 4
+        # the cached import is reused, and computes what the dequantized dense twin computes
+        assert convert_if_foreign(foreign) == imported
+        assert (_logits(imported, IDS) - _logits(twin, IDS)).abs().max().item() <= 2e-3

@@ -23,7 +23,7 @@ def resolve_model_dir(model: str | Path | None) -> Path:
             raise ModelNotFoundError(f"{path} has no config.json; is it a model directory?")
         return path
     if path.exists():
-        raise ModelNotFoundError(f"{path} is a file, not a model directory (for a .gguf, run `halfbyte import-gguf`)")
+        raise ModelNotFoundError(f"{path} is a file, not a model directory (a .gguf file loads directly, or import it with `halfbyte import-gguf`)")
     name = str(model)
     if name.count("/") != 1 or name.startswith((".", "/", "~")):
         raise ModelNotFoundError(f"model directory {name!r} does not exist")

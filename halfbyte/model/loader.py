@@ -53,6 +53,22 @@ def load_model(
     return model.eval()
 
 
+def resolve_loadable(model: str | Path | None, show_progress: bool = False) -> Path:
+    """The directory to load for `model`: a halfbyte or dense HF directory as is; a GPTQ / AWQ
+    checkpoint directory or a .gguf file imported once into the cache (quant/import_checkpoint.py)."""
+    from halfbyte.quant.import_checkpoint import convert_if_foreign  # quant/ builds on model/: import late
+
+    if model is not None:
+        path = Path(model).expanduser()
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            return convert_if_foreign(path, show_progress=show_progress)
+    return convert_if_foreign(resolve_model_dir(model), show_progress=show_progress)
+
+
+def is_quantized(model_dir: Path) -> bool:
+    return "quantization" in read_json(model_dir / "config.json")
+
+
 def load_pretrained(
     model: str | Path | None,
     dtype: torch.dtype,
@@ -62,7 +78,7 @@ def load_pretrained(
 ) -> LoadedModel:
     """Resolve a model name or path (None: the embedded default), read its config and tokenizer,
     load its weights. rope_scaling overrides the config's."""
-    model_dir = resolve_model_dir(model)
+    model_dir = resolve_loadable(model, show_progress)
     cfg = ModelConfig.from_hf(read_json(model_dir / "config.json"))
     if rope_scaling is not None:
         scaling = RopeScaling.parse(rope_scaling) if isinstance(rope_scaling, str) else rope_scaling
