@@ -126,6 +126,11 @@ class RequestStream:
             self.finished = True
             self.owner._release(self.request_id, abort=True)
 
+    def __del__(self) -> None:
+        # dropped without being read to the end (e.g. a response body that never started)
+        if not getattr(self, "finished", True):
+            self.abort()
+
 
 class AsyncLLM:
     """A model loaded for asyncio serving. `async with AsyncLLM(...)` starts and stops the engine
@@ -165,7 +170,7 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._in_flight: dict[str, RequestStream | None] = {}  # asyncio side: admitted requests
+        self._in_flight: set[str] = set()  # asyncio side: admitted requests (ids only: streams may be collected)
         self._started: set[str] = set()  # requests that produced a first delta
         self._sinks: dict[str, _Sink] = {}  # engine-thread side
         self.num_aborted = 0  # requests aborted before finishing (cancelled, disconnected)
@@ -244,7 +249,7 @@ class AsyncLLM:
         ids = self.tokenize(prompt)
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, asyncio.Queue(), prompt_tokens=len(ids))
-        self._in_flight[rid] = None  # counted from here: admission stays bounded while awaiting
+        self._in_flight.add(rid)  # counted from here: admission stays bounded while awaiting
         accepted: asyncio.Future[None] = loop.create_future()
         self._commands.put(_Add(rid, ids, params or SamplingParams(), sink, accepted))
         try:
@@ -252,11 +257,9 @@ class AsyncLLM:
         except BaseException:
             if not accepted.done() or accepted.cancelled() or accepted.exception() is None:
                 self._commands.put(_Abort(rid, None))  # cancelled while waiting: it may have been added
-            self._in_flight.pop(rid, None)
+            self._in_flight.discard(rid)
             raise
-        stream = RequestStream(self, rid, sink)
-        self._in_flight[rid] = stream
-        return stream
+        return RequestStream(self, rid, sink)
 
     async def generate(
         self, prompt: PromptInput, params: SamplingParams | None = None, request_id: str | None = None
@@ -276,7 +279,7 @@ class AsyncLLM:
 
     def _release(self, request_id: str, abort: bool) -> None:
         """The asyncio side is done with a request (finished, or left early: then abort it)."""
-        self._in_flight.pop(request_id, None)
+        self._in_flight.discard(request_id)
         self._started.discard(request_id)
         if abort:
             self.num_aborted += 1

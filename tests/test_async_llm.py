@@ -132,6 +132,18 @@ def test_abort_by_request_id_ends_the_stream(llm: LLM) -> None:
     assert free == pool.num_pages
 
 
+def test_a_stream_dropped_unread_is_aborted(llm: LLM) -> None:
+    pool = llm.engine.pool
+
+    async def drop(engine: AsyncLLM) -> tuple[int, int]:
+        stream = await engine.submit("Never read:", LONG)
+        del stream  # e.g. an HTTP response whose body never started
+        await engine.abort("no-such-request")  # a barrier: earlier commands (the drop's abort) are done
+        return pool.num_free, engine.num_in_flight
+
+    assert run(drop, llm) == (pool.num_pages, 0)
+
+
 def test_admission_is_bounded_and_recovers(llm: LLM) -> None:
     capacity = llm.engine.config.max_num_seqs + 2
 

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from halfbyte.async_llm import AsyncLLM, EngineDeadError, PromptInput, QueueFullError
 from halfbyte.errors import HalfbyteError
@@ -51,6 +53,23 @@ def _validation_message(exc: RequestValidationError) -> str:
     return f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(first.get("msg", "invalid request body"))
 
 
+class ApiKeyMiddleware:
+    """401 for /v1/ requests without `Authorization: Bearer <key>` (plain ASGI: streams pass untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and str(scope["path"]).startswith("/v1/"):
+            auth = Headers(scope=scope).get("authorization", "")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.key):
+                await _error(401, "invalid API key", "invalid_request_error", "invalid_api_key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, own_engine: bool = True) -> FastAPI:
     """own_engine: start the engine loop with the app and stop it (and free the model) at shutdown."""
 
@@ -68,14 +87,8 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, own_e
     metrics = ServerMetrics(llm)
     created = int(time.time())
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            auth = request.headers.get("authorization", "")
-            token = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return _error(401, "invalid API key", "invalid_request_error", "invalid_api_key")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

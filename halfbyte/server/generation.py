@@ -188,19 +188,24 @@ class Responder:
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
     async def sse(self, choices: Choices, metrics: ServerMetrics) -> AsyncIterator[str]:
+        try:
+            async for event in self._events(choices, metrics):
+                yield event
+        except Exception as e:  # headers are sent: the error travels as an event
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+        finally:  # a disconnect closes this generator: abort now, not when merged() is collected
+            choices.abort_all()
+
+    async def _events(self, choices: Choices, metrics: ServerMetrics) -> AsyncIterator[str]:
         if self.chat:  # OpenAI opens each choice with the role
             for i in range(len(choices.streams)):
                 yield self._event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}])
-        try:
-            async for i, d in merged(choices, metrics):
-                if d.text:
-                    yield self._event([self._choice(i, d.text, None, final=False)])
-                if d.finish_reason is not None:
-                    yield self._event([self._choice(i, None if self.chat else "", d.finish_reason, final=False)])
-        except Exception as e:  # headers are sent: the error travels as an event
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
-            return
+        async for i, d in merged(choices, metrics):
+            if d.text:
+                yield self._event([self._choice(i, d.text, None, final=False)])
+            if d.finish_reason is not None:
+                yield self._event([self._choice(i, None if self.chat else "", d.finish_reason, final=False)])
         if self.include_usage:
             yield self._event([], choices.usage())
         yield "data: [DONE]\n\n"
