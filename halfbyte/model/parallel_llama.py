@@ -42,6 +42,10 @@ class ParallelLlamaModel(LlamaModel):
         self.rank_plan: RankPlan = plan[rank]
         self.comm = comm
         self.driver: Driver | None = None  # rank 0 of several: tells the workers what to run
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.o_proj = RowParallelLinear(local.q_size, cfg.hidden_size, cfg.o_bias, dtype, device, comm)
+            mlp.down_proj = RowParallelLinear(local.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device, comm)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
@@ -49,10 +53,6 @@ class ParallelLlamaModel(LlamaModel):
         if self.driver is not None:
             self.driver.forward(input_ids, positions, meta)
         return super().forward(input_ids, positions, kv_caches, meta)
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.o_proj = RowParallelLinear(local.q_size, cfg.hidden_size, cfg.o_bias, dtype, device, comm)
-            mlp.down_proj = RowParallelLinear(local.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device, comm)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         v0, v1 = self.rank_plan.vocab
