@@ -49,10 +49,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, quantized: boo
 @dataclass
 class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    kv_cache_tokens: int | None = None  # default: max_model_len, at least 16 pages
+    # KV-cache size: an explicit token budget wins; else on CUDA the pages fill
+    # gpu_memory_utilization of the GPU's memory (after weights and activation headroom);
+    # else (CPU) max_model_len tokens. At least 16 pages either way.
+    kv_cache_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
     page_size: int = 16
     max_num_seqs: int = 64
-    max_batch_tokens: int = 8192
+    max_batch_tokens: int = 8192  # tokens per step: decodes + prefill chunks
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "kv_cache_tokens"):
@@ -63,5 +68,7 @@ class EngineConfig:
             raise InvalidParameterError(f"page_size must be a power of two in 8..256, got {self.page_size!r}")
         if self.max_num_seqs < 1:
             raise InvalidParameterError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidParameterError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.max_batch_tokens < 1:
             raise InvalidParameterError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens!r}")

@@ -17,7 +17,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: sequences live in sets and lists of the scheduler
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -30,6 +30,11 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     arrival: int = 0  # admission order; preemption takes the newest
+    priority: int = 0  # higher runs first; preemption takes the lowest
+    cache_salt: str | None = None  # e.g. an adapter id: prefix-cache keys differ per salt
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full computed pages
+    enqueued_step: int = 0  # the scheduler step it (re)joined the waiting queue: its age
+    num_preemptions: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -38,6 +43,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
