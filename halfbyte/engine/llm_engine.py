@@ -11,13 +11,14 @@ import torch
 from halfbyte.engine.config import EngineConfig, resolve_device, resolve_dtype
 from halfbyte.engine.detokenizer import IncrementalDetokenizer
 from halfbyte.engine.kv_cache import PagePool
+from halfbyte.engine.prefix_cache import PrefixCacheStats
 from halfbyte.engine.runner import ModelRunner
 from halfbyte.engine.scheduler import Scheduler
 from halfbyte.engine.sequence import Sequence, SequenceStatus
 from halfbyte.errors import InvalidParameterError, PromptTooLongError
-from halfbyte.io.model_dir import read_optional_json, resolve_model_dir
+from halfbyte.io.model_dir import read_optional_json
 from halfbyte.model.config import ModelConfig
-from halfbyte.model.loader import load_pretrained
+from halfbyte.model.loader import is_quantized, load_pretrained, resolve_loadable
 from halfbyte.model.rope import RopeScaling
 from halfbyte.sampling_params import SamplingParams
 
@@ -31,6 +32,23 @@ class StepOutput:
     delta_text: str
     finished: bool
     finish_reason: str | None
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_preemptions: int
+    pages_total: int
+    pages_used: int  # referenced by a running sequence (cached-but-unreferenced pages count free)
+    pages_free: int
+    pages_cached: int  # holding a prefix-cache entry, referenced or not
+    prefix_hit_tokens: int
+    prefix_miss_tokens: int
+    prefix_hit_pages: int
+    prefix_miss_pages: int
+    prefix_partial_pages: int
+    prefix_evictions: int
 
 
 class LLMEngine:
@@ -47,17 +65,16 @@ class LLMEngine:
     ) -> None:
         self.config = config or EngineConfig()
         self.device = resolve_device(device)
-        quantized = model is not None and "quantization" in read_optional_json(resolve_model_dir(model) / "config.json")
-        self.dtype = resolve_dtype(dtype, self.device, quantized)
+        model_dir = resolve_loadable(model, show_progress)  # imports GPTQ / AWQ / GGUF once
+        self.dtype = resolve_dtype(dtype, self.device, is_quantized(model_dir))
         if self.device.type == "cuda":  # GPU.md: cuDNN SDPA costs ~2 ms of CPU per call
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.tp = None  # tensor parallelism (halfbyte/distributed/): None runs the plain path
         if tensor_parallel_size is None:
-            loaded = load_pretrained(model, self.dtype, self.device, rope_scaling, show_progress)
+            loaded = load_pretrained(model_dir, self.dtype, self.device, rope_scaling, show_progress)
         else:
             from halfbyte.distributed.engine_setup import load_tensor_parallel
 
-            model_dir = resolve_model_dir(model)
             loaded, self.tp = load_tensor_parallel(model_dir, tensor_parallel_size, self.dtype, self.device, rope_scaling)
         self.model_dir = loaded.model_dir
         self.model_config = model_cfg = loaded.config
@@ -66,9 +83,10 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(model_cfg)
         self.max_model_len = self.config.max_model_len or model_cfg.max_position_embeddings
         page = self.config.page_size
-        kv_tokens = self.config.kv_cache_tokens or self.max_model_len
         kv_cfg = self.tp.local_config if self.tp is not None else model_cfg  # a rank's pages hold its KV heads
-        self.pool = PagePool(kv_cfg, max(16, -(-kv_tokens // page)), page, self.dtype, self.device)
+        # page copies (prefix reuse, copy-on-write) run on rank 0's pool only: no prefix cache under TP yet
+        prefix_caching = self.config.enable_prefix_caching and self.tp is None
+        self.pool = PagePool(kv_cfg, self._num_pages(kv_cfg), page, self.dtype, self.device, prefix_caching)
         self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_batch_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.config.max_num_seqs, self.max_model_len)
         if self.tp is not None:
@@ -78,6 +96,40 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
 
+    def _num_pages(self, kv_cfg: ModelConfig) -> int:
+        page = self.config.page_size
+        if self.config.kv_cache_tokens is not None or self.device.type != "cuda":
+            return max(16, -(-(self.config.kv_cache_tokens or self.max_model_len) // page))
+        free, total = torch.cuda.mem_get_info(self.device)
+        # room for one step's activations and logits: a rough upper bound, not a profile
+        cfg = self.model_config
+        width = 2 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + 2 * cfg.intermediate_size
+        headroom = self.config.max_batch_tokens * width * 4 + self.config.max_num_seqs * cfg.vocab_size * 8 + (512 << 20)
+        budget = free - (1 - self.config.gpu_memory_utilization) * total - headroom
+        elem = torch.finfo(self.dtype).bits // 8
+        page_bytes = 2 * kv_cfg.num_layers * page * kv_cfg.num_kv_heads * kv_cfg.head_dim * elem
+        return max(16, int(budget // page_bytes))
+
+    def stats(self) -> EngineStats:
+        """Counters for metrics: queue lengths, pages, prefix-cache hits and misses."""
+        pool, sched = self.pool, self.scheduler
+        prefix = pool.prefix.stats if pool.prefix is not None else PrefixCacheStats()
+        return EngineStats(
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            num_preemptions=sched.num_preemptions,
+            pages_total=pool.num_pages,
+            pages_used=pool.num_used,
+            pages_free=pool.num_free,
+            pages_cached=len(pool.prefix.key_of) if pool.prefix is not None else 0,
+            prefix_hit_tokens=prefix.hit_tokens,
+            prefix_miss_tokens=prefix.miss_tokens,
+            prefix_hit_pages=prefix.hit_pages,
+            prefix_miss_pages=prefix.miss_pages,
+            prefix_partial_pages=prefix.partial_pages,
+            prefix_evictions=prefix.evictions,
+        )
+
     def _eos_ids(self, cfg: ModelConfig) -> set[int]:
         ids = set(cfg.eos_token_ids)
         gen = read_optional_json(self.model_dir / "generation_config.json").get("eos_token_id")
@@ -86,7 +138,17 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request. Higher priority is scheduled first and preempted last; cache_salt
+        (e.g. an adapter id) keeps its prefix-cache entries apart from other salts'."""
         if request_id in self._seqs:
             raise InvalidParameterError(f"request_id {request_id!r} is already running")
         if not prompt_token_ids:
@@ -118,6 +180,8 @@ class LLMEngine:
             ),
             generator=generator,
             arrival=next(self._arrivals),
+            priority=priority,
+            cache_salt=cache_salt,
         )
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -136,9 +200,13 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        tokens = self.runner.step(batch)
+        tokens = iter(self.runner.step(batch))
         outputs = []
-        for seq, token in zip(batch.seqs, tokens, strict=True):
+        for seq, samples in zip(batch.seqs, batch.samples, strict=True):
+            self.pool.cache_full_pages(seq)
+            if not samples:  # mid-prefill: no token yet
+                continue
+            token = next(tokens)
             seq.token_ids.append(token)
             reason = self._check_stop(seq, token)
             if reason is not None:

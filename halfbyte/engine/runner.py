@@ -33,20 +33,21 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
-        for seq in batch.seqs:
+        seq_lens = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
-            new = seq.token_ids[start:]
-            ids.extend(new)
-            span = range(start, seq.num_tokens)
+            ids.extend(seq.token_ids[start : start + n])
+            span = range(start, start + n)
             positions.extend(span)
             slots.extend(seq.block_table[p // page] * page + p % page for p in span)
             query_start.append(len(ids))
+            seq_lens.append(start + n)
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
         dev = self.device
         meta = AttentionMetadata(
             query_start=query_start,
-            seq_lens=[s.num_tokens for s in batch.seqs],
+            seq_lens=seq_lens,
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             contiguous_from=[_first_if_consecutive(s.block_table) for s in batch.seqs],
@@ -59,17 +60,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """fp32 logits [B, vocab] at each sequence's last token; marks the batch's tokens cached."""
+        """fp32 logits [S, vocab] at the last token of each sequence that samples this step
+        (batch.samples); marks the batch's tokens cached."""
+        self.pool.apply_copies()  # prefix-cache and copy-on-write pages, before any write
         input_ids, positions, meta = self._prepare(batch)
-        for seq in batch.seqs:
-            seq.num_computed_tokens = seq.num_tokens
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
         if self.graphs is not None and meta.is_decode and self.graphs.bucket(meta.num_seqs) is not None:
             return self.graphs.run(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.device_seq_lens())
         hidden = self.model(input_ids, positions, self.pool.kv_caches, meta)
-        last = torch.tensor(meta.query_start[1:], device=self.device) - 1
-        return self.model.compute_logits(hidden[last])
+        # a sequence mid-prefill has no next token yet: only finished chunks reach the LM head
+        last = [meta.query_start[i + 1] - 1 for i, s in enumerate(batch.samples) if s]
+        return self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
 
     def step(self, batch: ScheduledBatch) -> list[int]:
+        """One token per sampling sequence of the batch, in batch order."""
         logits = self.forward_logits(batch)
-        tokens = sample(logits, [s.params for s in batch.seqs], [s.generator for s in batch.seqs])
+        sampling = [s for s, take in zip(batch.seqs, batch.samples, strict=True) if take]
+        if not sampling:
+            return []
+        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
         return [int(t) for t in tokens.tolist()]
