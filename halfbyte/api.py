@@ -56,7 +56,10 @@ class LLM:
         page_size: int = 16,
         max_num_seqs: int = 64,
         show_progress: bool = False,
+        tensor_parallel_size: int | None = None,
     ) -> None:
+        """tensor_parallel_size: split the model over that many ranks (processes; one GPU each on
+        CUDA). None runs one process; 1 runs the tensor-parallel code path on one rank."""
         config = EngineConfig(
             max_model_len=max_model_len,
             kv_cache_tokens=kv_cache_tokens,
@@ -64,7 +67,8 @@ class LLM:
             max_num_seqs=max_num_seqs,
         )
         self.engine = LLMEngine(
-            model, dtype=dtype, device=device, rope_scaling=rope_scaling, config=config, show_progress=show_progress
+            model, dtype=dtype, device=device, rope_scaling=rope_scaling, config=config, show_progress=show_progress,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -19,6 +19,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
 
 
+def _add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=None,
+        help="split the model over N processes (GPUs on CUDA; gloo processes on the CPU)",
+    )
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
@@ -48,6 +55,7 @@ def _load(args: argparse.Namespace) -> Any:
     return LLM(
         args.model, dtype=args.dtype, device=args.device, rope_scaling=args.rope_scaling,
         max_model_len=args.max_model_len, show_progress=sys.stderr.isatty(),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -131,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     _add_model_args(gen)
+    _add_tensor_parallel_arg(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_sampling_args(gen, max_tokens=256)
@@ -138,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="interactive chat")
     _add_model_args(chat)
+    _add_tensor_parallel_arg(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=_cmd_chat)
