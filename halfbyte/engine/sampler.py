@@ -1,56 +1,139 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Batched token sampling on device tensors, one set of parameters per row.
 
-Filters work on the whole [B, V] batch at once; the draw is the exponential race
-(argmax p / E with E ~ Exp(1)), which needs no cumulative sum and lets each request draw its
-noise from its own generator, so a seeded request samples the same tokens in any batch."""
+Order per row: logits processors (host callables, only rows that have them) -> one fused pass
+of penalties, bias / allowed / banned ids and temperature (kernels/sampling.py) -> min_tokens
+suppression -> top-k / top-p / typical / min-p (engine/sampling_filters.py) -> the exponential
+race draw. The race's noise is a hash of (request seed, position, token id), so a seeded
+request samples the same tokens alone or in any batch. Host work is O(batch) per step; the
+one host sync is reading the tokens back (plus one when a top-p row needs the sort fallback)."""
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from halfbyte.sampling_params import SamplingParams
+from halfbyte.engine.sampling_filters import FilterParams, apply_filters
+from halfbyte.engine.token_state import SampledSequence, TokenStatePool
+from halfbyte.kernels.sampling import penalize, race, row_keys
+
+Logprobs = dict[int, float]  # token id -> logprob: the top-N and the sampled token
 
 
-def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature-scaled fp32 logits [B, V] with filtered-out tokens at -inf."""
-    device = logits.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-    logits = logits.float() / temps.unsqueeze(1)
-    vocab = logits.shape[1]
-    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    if any(top_k):
-        k = torch.tensor([k or vocab for k in top_k], device=device)
-        kth = logits.sort(dim=1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
-        sorted_logits, order = logits.sort(dim=1, descending=True)
-        probs = sorted_logits.softmax(dim=1)
-        # drop a token when the tokens ranked above it already cover top_p; the top one stays
-        drop_sorted = (probs.cumsum(dim=1) - probs) >= top_p
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
-        probs = logits.softmax(dim=1)
-        logits = logits.masked_fill(probs < min_p * probs.max(dim=1, keepdim=True).values, float("-inf"))
-    return logits
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]  # per row; None where the request did not ask
 
 
-def sample(
-    logits: torch.Tensor,  # [B, V]
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> torch.Tensor:
-    """One token id per row, int64 [B]."""
-    greedy = logits.argmax(dim=1)
-    if all(p.greedy for p in params):
-        return greedy
-    probs = apply_filters(logits, params).softmax(dim=1)
-    noise = torch.empty_like(probs)
-    for row, gen in enumerate(generators):  # O(batch) launches; issue 6 batches these on the GPU
-        noise[row].exponential_(generator=gen)
-    sampled = (probs / noise).argmax(dim=1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    return torch.where(is_greedy, greedy, sampled)
+class Sampler:
+    def __init__(self, eos_token_ids: set[int] | None = None) -> None:
+        self.eos_token_ids: set[int] = set(eos_token_ids or ())  # min_tokens suppresses these
+        self._state: TokenStatePool | None = None
+        self._seeds: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+    def _seed(self, seq: SampledSequence) -> int:
+        if seq.params.seed is not None:
+            return seq.params.seed
+        seed = self._seeds.get(seq)
+        if seed is None:  # drawn once from torch's global RNG: torch.manual_seed reproduces runs
+            seed = self._seeds[seq] = int(torch.randint(0, 2**62, (1,)).item())
+        return seed
+
+    def _token_state(self, vocab: int, device: torch.device) -> TokenStatePool:
+        if self._state is None or self._state.vocab != vocab or self._state.device != device:
+            self._state = TokenStatePool(vocab, device)
+        return self._state
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[SampledSequence]) -> SamplerOutput:
+        """logits [B, V] (any float dtype) for the batch's sampling sequences, in order."""
+        params = [s.params for s in seqs]
+        x = self.filtered_logits(logits, seqs)
+        dev = logits.device
+        keys = torch.tensor(row_keys([self._seed(s) for s in seqs], [len(s.token_ids) for s in seqs]),
+                            dtype=torch.int64, device=dev)
+        greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=dev)
+        tokens = race(x, keys, greedy)  # [B] int64
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(logits, tokens, token_list, params))
+
+    @torch.inference_mode()
+    def filtered_logits(self, logits: torch.Tensor, seqs: list[SampledSequence]) -> torch.Tensor:
+        """[B, V] fp32: processed, penalised, scaled and filtered (dropped tokens at -inf);
+        softmax of a row is the distribution that row samples from (greedy rows: its argmax)."""
+        vocab = logits.shape[1]
+        dev = logits.device
+        params = [s.params for s in seqs]
+        if any(p.logits_processors for p in params):
+            logits = logits.float().clone()
+            for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
+                for proc in p.logits_processors:
+                    logits[i] = proc(list(seq.token_ids[len(seq.prompt_token_ids):]), logits[i])
+        # [B, 4]: repetition, frequency, presence, 1 / temperature (greedy rows keep their scale)
+        row_params = torch.tensor(
+            [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty, 1.0 / p.temperature if p.temperature > 0 else 1.0]
+             for p in params], dtype=torch.float32, device=dev)
+        if any(p.needs_token_state for p in params):
+            pool = self._token_state(vocab, dev)
+            slots = pool.slots_for(seqs)
+            x = penalize(logits, slots, pool.counts, pool.prompt_seen, pool.additive, row_params)
+        else:
+            x = logits.float() * row_params[:, 3:4]  # [B, V] fp32; a copy, never the model's buffer
+        self._suppress_stops(x, seqs)
+        f = self._filter_params(params, vocab, dev)
+        return apply_filters(x, f) if f is not None else x
+
+    def _suppress_stops(self, x: torch.Tensor, seqs: list[SampledSequence]) -> None:
+        flat: list[int] = []
+        vocab = x.shape[1]
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.min_tokens and len(seq.token_ids) - len(seq.prompt_token_ids) < p.min_tokens:
+                flat.extend(i * vocab + t for t in self.eos_token_ids | set(p.stop_token_ids) if t < vocab)
+        if flat:
+            x.view(-1).index_fill_(0, torch.tensor(flat, dtype=torch.int64, device=x.device), float("-inf"))
+
+    @staticmethod
+    def _filter_params(params: list, vocab: int, dev: torch.device) -> FilterParams | None:
+        # greedy rows take the argmax whatever their filters say: their filters are off here
+        top_k = [p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params]
+        top_p = [1.0 if p.greedy else p.top_p for p in params]
+        typical = [1.0 if p.greedy else p.typical_p for p in params]
+        min_p = [0.0 if p.greedy else p.min_p for p in params]
+        max_top_k = max((k for k in top_k if k < vocab), default=0)
+        use_top_p = any(v < 1.0 for v in top_p)
+        typical_rows = [i for i, v in enumerate(typical) if v < 1.0]
+        use_min_p = any(v > 0.0 for v in min_p)
+        if not (max_top_k or use_top_p or typical_rows or use_min_p):
+            return None
+        floats = torch.tensor([top_p, typical, min_p], dtype=torch.float32, device=dev)  # [3, B]
+        return FilterParams(
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=dev),
+            top_p=floats[0], typical_p=floats[1], min_p=floats[2],
+            max_top_k=max_top_k, use_top_p=use_top_p,
+            typical_rows=torch.tensor(typical_rows, dtype=torch.int64, device=dev) if typical_rows else None,
+            use_min_p=use_min_p,
+        )
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int], params: list) -> list[Logprobs | None]:
+        """The model's own distribution (before penalties and filters), fp32."""
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        out: list[Logprobs | None] = [None] * len(params)
+        if not want:
+            return out
+        idx = torch.tensor(want, dtype=torch.int64, device=raw.device)
+        logp = raw[idx].float().log_softmax(dim=1)  # [R, V]
+        top_n = max(params[i].logprobs for i in want)
+        sampled = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
+        top_vals, top_ids = logp.topk(max(top_n, 1), dim=1)
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        for r, i in enumerate(want):
+            n = params[i].logprobs
+            entry = {int(t): float(v) for t, v in zip(top_ids_l[r][:n], top_vals_l[r][:n], strict=True)}
+            entry[token_list[i]] = sampled[r]
+            out[i] = entry
+        return out

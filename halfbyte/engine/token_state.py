@@ -1,0 +1,126 @@
+"""Per-request device rows the penalties and biases read: token counts, prompt mask, additive bias.
+
+A request that needs them (SamplingParams.needs_token_state) gets a slot in a pool of
+[slots, vocab] tensors the first time it samples: its prompt is scattered in once, then each
+step adds only the tokens appended since (and subtracts those leaving a penalty window), all
+batch rows in one index_add_. Host work per step is O(new tokens), never O(vocab) or O(context).
+Slot 0 stays zero: rows without state read it. A slot returns to the pool when its sequence is
+garbage-collected, so the scheduler only has to hand the sampler its batch's sequences."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from halfbyte.sampling_params import SamplingParams
+
+
+class SampledSequence(Protocol):
+    """What the sampler reads of a sequence (halfbyte/engine/sequence.py's Sequence has it)."""
+
+    params: SamplingParams
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class _RowState:
+    slot: int
+    num_seen: int  # tokens of seq.token_ids already counted
+
+
+class TokenStatePool:
+    def __init__(self, vocab_size: int, device: torch.device, initial_slots: int = 8) -> None:
+        self.vocab = vocab_size
+        self.device = device
+        self._alloc(initial_slots)
+        self._free = list(range(initial_slots - 1, 0, -1))
+        self._released: list[int] = []
+        self._rows: weakref.WeakKeyDictionary[Any, _RowState] = weakref.WeakKeyDictionary()
+
+    def _alloc(self, slots: int) -> None:
+        v, dev = self.vocab, self.device
+        self.counts = torch.zeros(slots, v, dtype=torch.int32, device=dev)  # [S, V] tokens in the window
+        self.prompt_seen = torch.zeros(slots, v, dtype=torch.int8, device=dev)  # [S, V] in the prompt
+        self.additive = torch.zeros(slots, v, dtype=torch.float32, device=dev)  # [S, V] bias, -inf bans
+
+    def _grow(self) -> None:
+        old = self.counts.shape[0]
+        counts, seen, additive = self.counts, self.prompt_seen, self.additive
+        self._alloc(2 * old)
+        self.counts[:old], self.prompt_seen[:old], self.additive[:old] = counts, seen, additive
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+    def _release(self, slot: int) -> None:
+        # a GC finalizer may run on any thread: only note the slot, the sampling thread clears it
+        self._released.append(slot)
+
+    def _reclaim(self) -> None:
+        while self._released:
+            slot = self._released.pop()
+            self.counts[slot].zero_()
+            self.prompt_seen[slot].zero_()
+            self.additive[slot].zero_()
+            self._free.append(slot)
+
+    def _admit(self, seq: SampledSequence) -> _RowState:
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        p = seq.params
+        window = p.penalty_window
+        prompt = seq.prompt_token_ids
+        if window is None:  # vLLM: repetition sees prompt + output; frequency / presence the output
+            self.prompt_seen[slot, torch.tensor(prompt, dtype=torch.int64, device=self.device)] = 1
+            counted_from = len(prompt)
+        else:  # the window spans prompt and output alike
+            counted_from = max(0, len(seq.token_ids) - window)
+        tail = torch.tensor(seq.token_ids[counted_from:], dtype=torch.int64, device=self.device)
+        self.counts[slot].index_add_(0, tail, torch.ones_like(tail, dtype=torch.int32))
+        additive = self.additive[slot]
+        if p.allowed_token_ids is not None:
+            additive.fill_(float("-inf"))
+            additive[torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=self.device)] = 0.0
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=self.device)
+            additive[ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)
+        if p.bad_token_ids:
+            additive[torch.tensor(p.bad_token_ids, dtype=torch.int64, device=self.device)] = float("-inf")
+        state = _RowState(slot, len(seq.token_ids))
+        self._rows[seq] = state
+        weakref.finalize(seq, self._release, slot)
+        return state
+
+    def slots_for(self, seqs: list[SampledSequence]) -> torch.Tensor:
+        """[B] int32 slot per row (0 where none), after counting each row's new tokens."""
+        self._reclaim()
+        slots: list[int] = []
+        flat: list[int] = []  # slot * vocab + token
+        delta: list[int] = []
+        for seq in seqs:
+            if not seq.params.needs_token_state:
+                slots.append(0)
+                continue
+            state = self._rows.get(seq)
+            if state is None:
+                state = self._admit(seq)
+            tokens = seq.token_ids
+            window = seq.params.penalty_window
+            base = state.slot * self.vocab
+            for i in range(state.num_seen, len(tokens)):  # usually one token per step
+                flat.append(base + tokens[i])
+                delta.append(1)
+                if window is not None and i - window >= 0:
+                    flat.append(base + tokens[i - window])
+                    delta.append(-1)
+            state.num_seen = len(tokens)
+            slots.append(state.slot)
+        if flat:
+            self.counts.view(-1).index_add_(
+                0, torch.tensor(flat, dtype=torch.int64, device=self.device),
+                torch.tensor(delta, dtype=torch.int32, device=self.device),
+            )
+        return torch.tensor(slots, dtype=torch.int32, device=self.device)

@@ -1,0 +1,165 @@
+"""Sampling kernels: penalties + bias + temperature in one pass, and the exponential race.
+
+penalize: x = logits (fp32); tokens seen (prompt mask or count > 0) get the repetition
+penalty (x / r where x > 0, x * r otherwise); x -= frequency * count + presence * (count > 0);
+x += additive (logit bias, -inf for banned tokens); x *= 1 / temperature. Per-request rows of
+counts / prompt mask / additive live in a slot pool; row b reads slot slots[b] (slot 0 is all
+zeros: a request without such state).
+
+race: token = argmax_v (x_v - log E_v), E_v = -log U_v ~ Exp(1). In the probability domain
+that is argmax p_v / E_v, the exponential race: an exact draw from softmax(x), no cumulative sum.
+U_v is a hash of (row key, v), so a request's noise depends only on its own key (seed and
+position), never on the batch it is in or the other rows' vocab filters. Greedy rows take argmax x."""
+
+from __future__ import annotations
+
+import torch
+
+from halfbyte.kernels.dispatch import use_triton
+from halfbyte.kernels.triton_utils import HAS_TRITON, next_power_of_2, tl, triton
+
+_MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding uint32 values."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def row_keys(seeds: list[int], positions: list[int]) -> list[int]:
+    """One 32-bit noise key per row from its seed and the position it samples (host, O(batch))."""
+    t = torch.tensor([[s & _MASK32, (s >> 32) & _MASK32, p & _MASK32] for s, p in zip(seeds, positions, strict=True)],
+                     dtype=torch.int64).reshape(-1, 3)
+    k = _fmix32((_fmix32((t[:, 1] + _GOLDEN) & _MASK32) ^ t[:, 0]))
+    return _fmix32(k ^ _fmix32(t[:, 2] ^ 0x27D4EB2F)).tolist()
+
+
+def uniform_noise_ref(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U [B, V] in (0, 1) with 24-bit resolution, a pure function of (key, token id)."""
+    tokens = torch.arange(vocab, dtype=torch.int64, device=keys.device)
+    h = _fmix32(tokens.unsqueeze(0) ^ keys.unsqueeze(1))  # [B, V]
+    h = _fmix32((h + keys.unsqueeze(1)) & _MASK32)
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def race_ref(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """x [B, V] fp32 (filtered tokens at -inf), keys [B] int64, greedy [B] bool -> tokens [B] int64."""
+    u = uniform_noise_ref(keys, x.shape[1])
+    scores = x - torch.log(-torch.log(u))
+    return torch.where(greedy, x.argmax(dim=1), scores.argmax(dim=1))
+
+
+def penalize_ref(
+    logits: torch.Tensor,  # [B, V]
+    slots: torch.Tensor,  # [B] int32
+    counts: torch.Tensor,  # [S, V] int32
+    prompt_seen: torch.Tensor,  # [S, V] int8
+    additive: torch.Tensor,  # [S, V] fp32
+    row_params: torch.Tensor,  # [B, 4] fp32: repetition, frequency, presence, 1 / temperature
+) -> torch.Tensor:
+    x = logits.float()
+    idx = slots.long()
+    c = counts[idx].float()
+    seen = (prompt_seen[idx] != 0) | (c > 0)
+    rep, freq, pres, inv_temp = (row_params[:, i : i + 1] for i in range(4))
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - freq * c - pres * (c > 0).float()
+    x = x + additive[idx]
+    return x * inv_temp
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fmix32_tl(h):
+        h = h ^ (h >> 16)
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h = h ^ (h >> 13)
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
+    @triton.jit
+    def _penalize_kernel(
+        logits_ptr, slots_ptr, counts_ptr, seen_ptr, add_ptr, params_ptr, out_ptr,
+        vocab, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < vocab
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        rep = tl.load(params_ptr + row * 4)
+        freq = tl.load(params_ptr + row * 4 + 1)
+        pres = tl.load(params_ptr + row * 4 + 2)
+        inv_temp = tl.load(params_ptr + row * 4 + 3)
+        x = tl.load(logits_ptr + row * vocab + cols, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(counts_ptr + slot * vocab + cols, mask=mask, other=0).to(tl.float32)
+        seen = (tl.load(seen_ptr + slot * vocab + cols, mask=mask, other=0) != 0) | (c > 0)
+        x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
+        x = x - freq * c - pres * (c > 0).to(tl.float32)
+        x = x + tl.load(add_ptr + slot * vocab + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + row * vocab + cols, x * inv_temp, mask=mask)
+
+    @triton.jit
+    def _race_kernel(x_ptr, keys_ptr, greedy_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+        # one program per row, streaming the vocabulary: running (best score, its token)
+        row = tl.program_id(0).to(tl.int64)
+        key = tl.load(keys_ptr + row)
+        noisy = tl.load(greedy_ptr + row) == 0
+        best = tl.full([], float("-inf"), tl.float32)
+        best_tok = tl.full([], 0, tl.int64)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < vocab
+            x = tl.load(x_ptr + row * vocab + cols, mask=mask, other=float("-inf"))
+            h = _fmix32_tl(cols.to(tl.int64) ^ key)
+            h = _fmix32_tl((h + key) & 0xFFFFFFFF)
+            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            score = tl.where(noisy, x - tl.log(-tl.log(u)), x)
+            score = tl.where(mask, score, float("-inf"))
+            block_best = tl.max(score, axis=0)
+            block_tok = tl.argmax(score, axis=0).to(tl.int64) + start
+            better = block_best > best  # strict: the first maximum wins, as torch.argmax
+            best_tok = tl.where(better, block_tok, best_tok)
+            best = tl.where(better, block_best, best)
+        tl.store(out_ptr + row, best_tok)
+
+
+def penalize_triton(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor,
+                    additive: torch.Tensor, row_params: torch.Tensor) -> torch.Tensor:
+    logits = logits.contiguous()
+    rows, vocab = logits.shape
+    out = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
+    block = 1024
+    _penalize_kernel[(rows, triton.cdiv(vocab, block))](
+        logits, slots.to(torch.int32).contiguous(), counts, prompt_seen, additive, row_params.float().contiguous(),
+        out, vocab, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+def race_triton(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    x = x.float().contiguous()
+    rows, vocab = x.shape
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    block = min(4096, next_power_of_2(vocab))
+    _race_kernel[(rows,)](x, keys.to(torch.int64).contiguous(), greedy.to(torch.int32).contiguous(), out, vocab,
+                          BLOCK=block, num_warps=8)
+    return out
+
+
+def penalize(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor,
+             additive: torch.Tensor, row_params: torch.Tensor) -> torch.Tensor:
+    if use_triton(logits):
+        return penalize_triton(logits, slots, counts, prompt_seen, additive, row_params)
+    return penalize_ref(logits, slots, counts, prompt_seen, additive, row_params)
+
+
+def race(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        return race_triton(x, keys, greedy)
+    return race_ref(x, keys, greedy)
