@@ -6,7 +6,7 @@ import torch
 
 from halfbyte.engine.cuda_graphs import CudaGraphDecoder
 from halfbyte.engine.kv_cache import PagePool
-from halfbyte.engine.sampler import sample
+from halfbyte.engine.sampler import Logprobs, Sampler
 from halfbyte.engine.scheduler import ScheduledBatch
 from halfbyte.kernels.attention import AttentionMetadata
 from halfbyte.model.llama import LlamaModel
@@ -23,6 +23,8 @@ class ModelRunner:
         self.pool = pool
         self.device = model.device
         self.graphs: CudaGraphDecoder | None = None
+        self.sampler = Sampler()  # the engine sets sampler.eos_token_ids (min_tokens suppresses them)
+        self.last_logprobs: list[Logprobs | None] = []  # per token of the last step(), when asked
         # dynamic NTK changes frequencies with the sequence length: no fixed graph for it
         if self.device.type == "cuda" and model.cfg.rope_scaling.type != "dynamic":
             self.graphs = CudaGraphDecoder(model, pool.kv_caches, max_num_seqs, max_model_len, pool.scratch_page)
@@ -78,6 +80,8 @@ class ModelRunner:
         logits = self.forward_logits(batch)
         sampling = [s for s, take in zip(batch.seqs, batch.samples, strict=True) if take]
         if not sampling:
+            self.last_logprobs = []
             return []
-        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        return [int(t) for t in tokens.tolist()]
+        out = self.sampler.sample(logits, sampling)
+        self.last_logprobs = out.logprobs
+        return out.token_ids
