@@ -32,6 +32,7 @@ class StepOutput:
     delta_text: str
     finished: bool
     finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None  # per new token: top-N and sampled token ids -> logprob
 
 
 @dataclass
@@ -89,6 +90,7 @@ class LLMEngine:
         self.pool = PagePool(kv_cfg, self._num_pages(kv_cfg), page, self.dtype, self.device, prefix_caching)
         self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_batch_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.config.max_num_seqs, self.max_model_len)
+        self.runner.sampler.eos_token_ids = set(self.eos_token_ids)
         if self.tp is not None:
             from halfbyte.distributed.engine_setup import attach
 
@@ -154,6 +156,9 @@ class LLMEngine:
         if not prompt_token_ids:
             raise InvalidParameterError("the prompt is empty")
         vocab = self.model_config.vocab_size
+        params.check_token_ids(vocab)
+        if params.n != 1:  # LLM.generate fans n out into child requests (params.for_sample(i))
+            raise InvalidParameterError(f"n must be 1 for one engine request, got {params.n}; submit params.for_sample(i) for each")
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})")
         n = len(prompt_token_ids)
@@ -201,12 +206,14 @@ class LLMEngine:
         if batch is None:
             return []
         tokens = iter(self.runner.step(batch))
+        logprobs = iter(self.runner.last_logprobs)
         outputs = []
         for seq, samples in zip(batch.seqs, batch.samples, strict=True):
             self.pool.cache_full_pages(seq)
             if not samples:  # mid-prefill: no token yet
                 continue
             token = next(tokens)
+            token_logprobs = next(logprobs, None)
             seq.token_ids.append(token)
             reason = self._check_stop(seq, token)
             if reason is not None:
@@ -221,6 +228,7 @@ class LLMEngine:
                     seq.detokenizer.take_delta(seq.is_finished),
                     seq.is_finished,
                     seq.finish_reason,
+                    [token_logprobs] if token_logprobs is not None else None,
                 )
             )
         return outputs
