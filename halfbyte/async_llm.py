@@ -174,6 +174,7 @@ class AsyncLLM:
         self._started: set[str] = set()  # requests that produced a first delta
         self._sinks: dict[str, _Sink] = {}  # engine-thread side
         self.num_aborted = 0  # requests aborted before finishing (cancelled, disconnected)
+        self.engine_stats: Any = None  # the engine's last stats() snapshot, if it has stats()
 
     # --- lifetime -----------------------------------------------------------------------
     def start(self) -> None:
@@ -305,9 +306,17 @@ class AsyncLLM:
                         self._dispatch(outputs)
                     else:
                         time.sleep(0.001)  # nothing schedulable this step; don't spin hot
+                self._snapshot_stats()
         except BaseException as e:  # a bug in the engine: fail every request, refuse new ones
             self._error = e
             self._abort_all(EngineDeadError(f"the engine failed: {e!r}"))
+
+    def _snapshot_stats(self) -> None:
+        """engine.stats() (when the engine has it), taken here so that readers never touch the
+        engine from another thread while it steps."""
+        stats_fn = getattr(self.engine, "stats", None)
+        if callable(stats_fn):
+            self.engine_stats = stats_fn()
 
     def _drain(self, block: bool) -> list[_Command]:
         cmds: list[_Command] = [self._commands.get()] if block else []

@@ -11,32 +11,29 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from halfbyte.async_llm import AsyncLLM
-from halfbyte.engine.llm_engine import LLMEngine
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
-def _engine_stat(engine: LLMEngine, name: str) -> float:
-    """A field of engine.stats() when the engine has it (0 otherwise): read, never required."""
-    stats_fn = getattr(engine, "stats", None)
-    return float(getattr(stats_fn(), name, 0)) if callable(stats_fn) else 0.0
+def _engine_stat(llm: AsyncLLM, name: str) -> float:
+    """A field of the engine's stats snapshot when the engine has stats() (0 otherwise)."""
+    return float(getattr(llm.engine_stats, name, 0))
 
 
-def _stat_reader(engine: LLMEngine, name: str) -> Callable[[], float]:
-    return lambda: _engine_stat(engine, name)
+def _stat_reader(llm: AsyncLLM, name: str) -> Callable[[], float]:
+    return lambda: _engine_stat(llm, name)
 
 
-def _prefix_cache_tokens(engine: LLMEngine) -> tuple[float, float]:
+def _prefix_cache_tokens(llm: AsyncLLM) -> tuple[float, float]:
     """(hit, miss) prompt tokens of the prefix cache; (0, 0) without one."""
-    hits, misses = _engine_stat(engine, "prefix_hit_tokens"), _engine_stat(engine, "prefix_miss_tokens")
-    if hits or misses:
-        return hits, misses
-    stats = getattr(getattr(engine.pool, "prefix", None), "stats", None)  # the pool's own counters
+    if llm.engine_stats is not None:
+        return _engine_stat(llm, "prefix_hit_tokens"), _engine_stat(llm, "prefix_miss_tokens")
+    stats = getattr(getattr(llm.engine.pool, "prefix", None), "stats", None)  # the pool's own counters
     return float(getattr(stats, "hit_tokens", 0)), float(getattr(stats, "miss_tokens", 0))
 
 
-def _prefix_cache_hit_rate(engine: LLMEngine) -> float:
-    hits, misses = _prefix_cache_tokens(engine)
+def _prefix_cache_hit_rate(llm: AsyncLLM) -> float:
+    hits, misses = _prefix_cache_tokens(llm)
     return hits / (hits + misses) if hits + misses > 0 else 0.0
 
 
@@ -74,16 +71,16 @@ class ServerMetrics:
             lambda: 1.0 - pool.num_free / max(1, pool.num_pages)
         )
         Gauge("halfbyte_prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens", registry=reg).set_function(
-            lambda: _prefix_cache_hit_rate(llm.engine)
+            lambda: _prefix_cache_hit_rate(llm)
         )
         Gauge("halfbyte_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache (a counter)",
-              registry=reg).set_function(lambda: _prefix_cache_tokens(llm.engine)[0])
+              registry=reg).set_function(lambda: _prefix_cache_tokens(llm)[0])
         Gauge("halfbyte_prefix_cache_miss_tokens", "Prompt tokens computed (a counter)",
-              registry=reg).set_function(lambda: _prefix_cache_tokens(llm.engine)[1])
+              registry=reg).set_function(lambda: _prefix_cache_tokens(llm)[1])
         for field, doc in (("num_waiting", "Sequences the engine's scheduler has not started"),
                            ("num_running", "Sequences the engine's scheduler is running"),
                            ("num_preemptions", "Sequences preempted for KV-cache room (a counter)")):
-            Gauge(f"halfbyte_engine_{field}", doc, registry=reg).set_function(_stat_reader(llm.engine, field))
+            Gauge(f"halfbyte_engine_{field}", doc, registry=reg).set_function(_stat_reader(llm, field))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
