@@ -30,6 +30,8 @@ class RequestOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort"
+    logprobs: list[dict[int, float]] | None = None  # per token when SamplingParams.logprobs is set
+    samples: list[RequestOutput] = field(default_factory=list)  # all n when n > 1 (text is the first's)
 
     @property
     def finished(self) -> bool:
@@ -146,14 +148,21 @@ class LLM:
     ) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         texts: dict[str, list[str]] = {}
+        hooks: dict[str, SamplingParams] = {}
+        parents: list[tuple[str, list[str]]] = []  # (parent id, its n child request ids)
         order = []
         try:
             for ids, p in zip(token_lists, params, strict=True):
                 rid = f"req-{next(self._ids)}"
-                self.engine.add_request(rid, ids, p)
-                results[rid] = RequestOutput(rid, ids)
-                texts[rid] = []
-                order.append(rid)
+                # n > 1: n child requests sharing the prompt (the prefix cache shares its pages)
+                children = [(rid, p)] if p.n == 1 else [(f"{rid}-{i}", p.for_sample(i)) for i in range(p.n)]
+                for child_id, child_params in children:
+                    self.engine.add_request(child_id, ids, child_params)
+                    results[child_id] = RequestOutput(child_id, ids)
+                    texts[child_id] = []
+                    hooks[child_id] = child_params
+                    order.append(child_id)
+                parents.append((rid, [c for c, _ in children]))
             pending = set(order)
             while pending:
                 for out in self.engine.step():
@@ -161,6 +170,10 @@ class LLM:
                         continue
                     res = results[out.request_id]
                     res.token_ids.extend(out.new_token_ids)
+                    if out.logprobs is not None:
+                        if res.logprobs is None:
+                            res.logprobs = []
+                        res.logprobs.extend(out.logprobs)
                     if out.delta_text:
                         texts[out.request_id].append(out.delta_text)
                         if on_token is not None:
@@ -173,7 +186,19 @@ class LLM:
                 self.engine.abort_request(rid)
         for rid in order:
             results[rid].text = "".join(texts[rid])
-        return [results[rid] for rid in order]
+            for hook in hooks[rid].output_processors:  # post-processing hooks, in order
+                changed = hook(results[rid])
+                if changed is not None:
+                    results[rid] = changed
+        outputs = []
+        for rid, children in parents:
+            if len(children) == 1:
+                outputs.append(results[rid])
+                continue
+            first = results[children[0]]
+            outputs.append(RequestOutput(rid, first.prompt_token_ids, first.text, list(first.token_ids),
+                                         first.finish_reason, first.logprobs, [results[c] for c in children]))
+        return outputs
 
     # --- lifetime -----------------------------------------------------------------------
     def close(self) -> None:
