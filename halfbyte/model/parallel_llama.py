@@ -63,6 +63,8 @@ class ParallelLlamaModel(LlamaModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab] (every rank gets the whole row)."""
+        if hidden.shape[0] == 0:  # no sequence samples this step: nothing to gather
+            return torch.empty(0, self.global_cfg.vocab_size, dtype=torch.float32, device=hidden.device)
         if self.driver is not None:
             self.driver.logits(hidden)
         local = super().compute_logits(hidden)
