@@ -6,6 +6,7 @@ query tokens q[query_start[b]:query_start[b+1]], the last ones of its seq_lens[b
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -13,6 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from halfbyte.kernels.dispatch import use_triton
+
+# prefill / extend / mixed batches on CUDA: "triton" (kernels/prefill_attention.py, varlen over
+# the pages) or "sdpa" (torch's fused attention per sequence, kept for comparison)
+PREFILL_BACKEND = os.environ.get("HALFBYTE_PREFILL_ATTENTION", "triton")
 
 
 @dataclass
@@ -27,6 +32,16 @@ class AttentionMetadata:
     # per sequence, its first page if its pages are consecutive (the reference then slices the
     # cache instead of gathering it); None entries or no list: gather
     contiguous_from: list[int | None] | None = None
+    query_start_tensor: torch.Tensor | None = None  # [B + 1] int32 on the device, made on first use
+
+    def device_query_start(self) -> torch.Tensor:
+        if self.query_start_tensor is None:
+            self.query_start_tensor = torch.tensor(self.query_start, dtype=torch.int32, device=self.block_tables.device)
+        return self.query_start_tensor
+
+    @property
+    def max_new_tokens(self) -> int:
+        return max(b - a for a, b in zip(self.query_start, self.query_start[1:]))
 
     def device_seq_lens(self) -> torch.Tensor:
         if self.seq_lens_tensor is None:
@@ -126,6 +141,13 @@ def paged_attention(
         return decode_attention_triton(
             q, k_cache, v_cache, meta.block_tables, meta.device_seq_lens(), scale, max(meta.seq_lens)
         )
+    if use_triton(q) and PREFILL_BACKEND == "triton" and page_size >= 16 and head_dim & (head_dim - 1) == 0:
+        from halfbyte.kernels.prefill_attention import prefill_attention_triton
+
+        return prefill_attention_triton(
+            q, k_cache, v_cache, meta.block_tables, meta.device_query_start(), meta.device_seq_lens(),
+            meta.max_new_tokens, scale, sliding_window,
+        )
     if q.is_cuda:
         return prefill_attention_sdpa(q, k_cache, v_cache, meta, scale, sliding_window)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
@@ -139,8 +161,8 @@ def prefill_attention_sdpa(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Prefill / extend on CUDA through torch's fused attention (flash when nothing is cached).
-    A varlen Triton kernel over the pages replaces this with the paged-engine work."""
+    """Prefill / extend on CUDA through torch's fused attention (flash when nothing is cached),
+    one sequence at a time; HALFBYTE_PREFILL_ATTENTION=sdpa selects it over the Triton kernel."""
     out = torch.empty_like(q)
     for rows, qb, k, v, seq_len in _per_sequence(q, k_cache, v_cache, meta):
         n_new = qb.shape[1]
