@@ -206,6 +206,13 @@ def test_out_of_range_parameters(server: Server, fields: dict[str, object]) -> N
     assert isinstance(e.value.body, dict) and e.value.body.get("message")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_longer_than_the_context_is_a_400(server: Server, stream: bool) -> None:
+    with pytest.raises(openai.BadRequestError) as e:  # a stream too: rejected before any event is sent
+        server.client().completions.create(model=server.model, prompt="word " * 9000, max_tokens=2, stream=stream)
+    assert isinstance(e.value.body, dict) and "tokens" in str(e.value.body.get("message"))
+
+
 def test_disconnect_mid_stream_frees_the_request(server: Server) -> None:
     before = server.metrics()
     body = {"model": server.model, "prompt": "Count to one thousand:", "max_tokens": 400, "temperature": 0,
