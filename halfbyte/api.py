@@ -191,13 +191,13 @@ class LLM:
                 if changed is not None:
                     results[rid] = changed
         outputs = []
-        for rid, children in parents:
-            if len(children) == 1:
+        for rid, child_ids in parents:  # a name apart from the loop above: mypy types it once
+            if len(child_ids) == 1:
                 outputs.append(results[rid])
                 continue
-            first = results[children[0]]
+            first = results[child_ids[0]]
             outputs.append(RequestOutput(rid, first.prompt_token_ids, first.text, list(first.token_ids),
-                                         first.finish_reason, first.logprobs, [results[c] for c in children]))
+                                         first.finish_reason, first.logprobs, [results[c] for c in child_ids]))
         return outputs
 
     # --- lifetime -----------------------------------------------------------------------
