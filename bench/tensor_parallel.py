@@ -163,6 +163,13 @@ def main() -> None:
         tp1 = parallel_model(cfg, args.bits, args.group, dtype, dev, 0, 1, timed, src=plain)
         runs = {"plain": (plain, *_setup(plain, args.context, args.steps, dtype, use_graphs)),
                 "tp1": (tp1, *_setup(tp1, args.context, args.steps, dtype, use_graphs))}
+        with torch.inference_mode():  # the same weights: the two paths must agree
+            ids = torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(1)).to(dev)
+            tables = torch.tensor([list(range(4))], dtype=torch.int32, device=dev)
+            meta = lambda: AttentionMetadata([0, 64], [64], tables, torch.arange(64, device=dev))  # noqa: E731
+            la = plain.compute_logits(plain(ids, torch.arange(64, device=dev), runs["plain"][1].kv_caches, meta()))
+            lb = tp1.compute_logits(tp1(ids, torch.arange(64, device=dev), runs["tp1"][1].kv_caches, meta()))
+            results["tp1_vs_plain_max_abs_logit_diff"] = float((la - lb).abs().max())
         best = {k: 0.0 for k in runs}
         for _ in range(args.repeats):
             for name, (m, pool, graphs) in runs.items():
