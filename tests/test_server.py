@@ -174,6 +174,40 @@ def test_extra_body_sampling_fields(server: Server) -> None:
     assert neutral.choices[0].text == greedy.choices[0].text
 
 
+def test_completion_logprobs(server: Server) -> None:
+    out = server.client().completions.create(model=server.model, prompt="Paris is", max_tokens=4, temperature=0,
+                                             logprobs=3)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.tokens) == 4 and "".join(lp.tokens) == out.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and logprob <= 0
+        assert logprob == max(top.values()) and top[token] == logprob  # greedy picks the most likely token
+
+
+def test_chat_logprobs_streamed_and_whole_agree(server: Server) -> None:
+    client = server.client()
+    kwargs = dict(model=server.model, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 4 and "".join(t.token for t in content) == whole.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob for t in content)
+    streamed = [t for chunk in client.chat.completions.create(stream=True, **kwargs)  # type: ignore[call-overload]
+                for c in chunk.choices if c.logprobs and c.logprobs.content for t in c.logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+
+def test_logit_bias_bans_the_greedy_token(server: Server, tokenizer: Tokenizer) -> None:
+    client = server.client()
+    free = client.completions.create(model=server.model, prompt="Paris is", max_tokens=1, temperature=0, logprobs=1)
+    first = free.choices[0].logprobs.tokens[0]  # type: ignore[union-attr,index]
+    ids = tokenizer.encode(first, add_special_tokens=False)
+    assert len(ids) == 1, f"{first!r} is not one token alone"
+    banned = client.completions.create(model=server.model, prompt="Paris is", max_tokens=1, temperature=0,
+                                       logit_bias={str(ids[0]): -100}, logprobs=1)
+    assert banned.choices[0].logprobs.tokens[0] != first  # type: ignore[union-attr,index]
+
+
 def test_bad_api_key(server: Server) -> None:
     with pytest.raises(openai.AuthenticationError) as e:
         server.client(key="wrong").chat.completions.create(model=server.model, messages=CHAT, max_tokens=2)

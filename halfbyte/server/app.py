@@ -30,8 +30,10 @@ from halfbyte.server.generation import (
     completion_prompts,
     merged,
 )
+from halfbyte.server.logprobs import LogprobFormatter
 from halfbyte.server.metrics import ServerMetrics
 from halfbyte.server.protocol import ChatCompletionRequest, CompletionRequest, error_body, model_card
+from halfbyte.server.sampling import requested_logprobs
 
 
 class ModelNotServedError(HalfbyteError):
@@ -157,12 +159,16 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, own_e
             choices.abort_all()
         return JSONResponse(responder.body(choices))
 
+    def formatter(req: ChatCompletionRequest | CompletionRequest) -> LogprobFormatter | None:
+        top_n = requested_logprobs(req)
+        return None if top_n is None else LogprobFormatter(llm.tokenizer, top_n)
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await serve(
             "completions", req, completion_prompts(req), completion_params(req),
-            Responder(chat=False, model=model_name, include_usage=include_usage),
+            Responder(chat=False, model=model_name, include_usage=include_usage, logprobs=formatter(req)),
         )
 
     @app.post("/v1/chat/completions")
@@ -170,7 +176,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, own_e
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await serve(
             "chat", req, chat_prompt(req), chat_params(req),
-            Responder(chat=True, model=model_name, include_usage=include_usage),
+            Responder(chat=True, model=model_name, include_usage=include_usage, logprobs=formatter(req)),
         )
 
     return app

@@ -17,6 +17,7 @@ from typing import Any
 from halfbyte.async_llm import AsyncLLM, PromptInput, RequestStream, StreamDelta
 from halfbyte.errors import InvalidParameterError
 from halfbyte.sampling_params import SamplingParams
+from halfbyte.server.logprobs import LogprobFormatter
 from halfbyte.server.metrics import RequestTimer, ServerMetrics
 from halfbyte.server.protocol import ChatCompletionRequest, CompletionRequest, usage
 from halfbyte.server.sampling import fan_out, sampling_params
@@ -34,12 +35,16 @@ class Choices:
     texts: list[list[str]] = field(default_factory=list)
     completion_tokens: list[int] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[dict[int, float]]] = field(default_factory=list)  # when the request asked for them
 
     def __post_init__(self) -> None:
         k = len(self.streams)
         self.texts = [[] for _ in range(k)]
         self.completion_tokens = [0] * k
         self.finish_reasons = [None] * k
+        self.token_ids = [[] for _ in range(k)]
+        self.logprobs = [[] for _ in range(k)]
 
     def abort_all(self) -> None:
         for s in self.streams:
@@ -78,6 +83,8 @@ async def merged(choices: Choices, metrics: ServerMetrics) -> AsyncIterator[tupl
     def record(i: int, d: StreamDelta) -> None:
         timers[i].on_delta(len(d.token_ids))
         choices.texts[i].append(d.text)
+        choices.token_ids[i].extend(d.token_ids)
+        choices.logprobs[i].extend(d.extra.get("logprobs") or [])
         choices.completion_tokens[i] = d.completion_tokens
         if d.finish_reason is not None:
             choices.finish_reasons[i] = d.finish_reason
@@ -149,30 +156,45 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
 class Responder:
     """Builds one endpoint's JSON answer and SSE chunks."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool, logprobs: LogprobFormatter | None = None) -> None:
         self.chat = chat
+        self.logprobs = logprobs
         self.model = model
         self.include_usage = include_usage
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
-    def _choice(self, index: int, text: str | None, finish_reason: str | None, final: bool) -> dict[str, Any]:
+    def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]], offset: int) -> dict[str, Any] | None:
+        if self.logprobs is None or not lps:
+            return None
+        n = min(len(token_ids), len(lps))
+        if self.chat:
+            return self.logprobs.chat(token_ids[:n], lps[:n])
+        return self.logprobs.completion(token_ids[:n], lps[:n], offset)
+
+    def _choice(
+        self, index: int, text: str | None, finish_reason: str | None, final: bool,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         if not self.chat:
-            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         if final:
             return {
-                "index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         delta: dict[str, Any] = {} if text is None else {"content": text}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def body(self, choices: Choices) -> dict[str, Any]:
         return {
             "id": self.id, "object": self.object, "created": self.created, "model": self.model,
             "choices": [
-                self._choice(i, "".join(choices.texts[i]), choices.finish_reasons[i], final=True)
+                self._choice(
+                    i, "".join(choices.texts[i]), choices.finish_reasons[i], final=True,
+                    logprobs=self._logprobs(choices.token_ids[i], choices.logprobs[i], 0),
+                )
                 for i in range(len(choices.streams))
             ],
             "usage": choices.usage(),
@@ -201,9 +223,12 @@ class Responder:
             for i in range(len(choices.streams)):
                 yield self._event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}])
+        offsets = [0] * len(choices.streams)
         async for i, d in merged(choices, metrics):
-            if d.text:
-                yield self._event([self._choice(i, d.text, None, final=False)])
+            lps = self._logprobs(d.token_ids, d.extra.get("logprobs") or [], offsets[i])
+            if d.text or lps is not None:
+                yield self._event([self._choice(i, d.text, None, final=False, logprobs=lps)])
+            offsets[i] += len(d.text)
             if d.finish_reason is not None:
                 yield self._event([self._choice(i, None if self.chat else "", d.finish_reason, final=False)])
         if self.include_usage:

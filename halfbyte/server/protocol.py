@@ -41,6 +41,9 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    penalty_window: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_token_ids: list[int] | None = None
 
 
 class ChatMessage(BaseModel):
@@ -68,7 +71,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
 

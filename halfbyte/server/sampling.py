@@ -21,7 +21,10 @@ _NEUTRAL: dict[str, object] = {
     "min_tokens": 0,
     "logit_bias": {},
 }
-_DIRECT = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids", "skip_special_tokens")
+_DIRECT = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+    "penalty_window", "allowed_token_ids", "bad_token_ids",
+)
 
 
 def _param_names() -> set[str]:
@@ -42,8 +45,11 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, default_max_
         kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     for name in _DIRECT:
         value = getattr(req, name)
-        if value is not None:
-            kwargs[name] = value
+        if value is None:
+            continue
+        if name not in names:
+            raise InvalidParameterError(f"{name} is not supported by this server")
+        kwargs[name] = value
     for name, neutral in _NEUTRAL.items():
         value = getattr(req, name)
         if value is None:
@@ -54,18 +60,30 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, default_max_
             kwargs[name] = value
         elif value != neutral:
             raise InvalidParameterError(f"{name} is not supported by this server")
-    wants_logprobs = req.logprobs is not None and req.logprobs is not False
-    if wants_logprobs:
-        raise InvalidParameterError("logprobs are not supported by this server yet")
+    top_n = requested_logprobs(req)
+    if top_n is not None:
+        if "logprobs" not in names:
+            raise InvalidParameterError("logprobs are not supported by this server yet")
+        kwargs["logprobs"] = top_n
     if "n" in names:
         kwargs["n"] = 1  # the server fans n out into separate requests itself
     return SamplingParams(**kwargs)
+
+
+def requested_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many top alternatives a request wants per token (0: the sampled token's only); None: no logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
     """n independent choices: a seeded request gives choice i the seed + i."""
     if n == 1:
         return [params]
+    for_sample = getattr(params, "for_sample", None)
+    if callable(for_sample):  # SamplingParams' own rule for parallel samples
+        return [for_sample(i) for i in range(n)]
     if params.seed is None:
         return [dataclasses.replace(params) for _ in range(n)]
     return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
