@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -277,13 +278,17 @@ def test_candidate_slices_tile_k() -> None:
 
 _RSS_SCRIPT = textwrap.dedent(
     """
-    import resource, sys
+    import sys
+    import torch
+    torch.set_num_threads(1)  # one thread: per-thread buffers and arenas do not vary with CPU load
     from halfbyte.quant.convert import ConvertOptions, convert
     from halfbyte.quant.measure import Candidate
     convert(sys.argv[1], sys.argv[2], ConvertOptions(
         bits=4.5, calib_files=(sys.argv[3],), seq_len=64, num_windows=2, show_progress=False,
         candidates=(Candidate(((1.0, 4),), 128),)))
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so it would report the parent's
+    # (pytest's) resident size at fork whenever that is larger than the conversion's own peak
+    print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
     """
 )
 
@@ -292,14 +297,19 @@ _RSS_SCRIPT = textwrap.dedent(
 def test_peak_memory_grows_with_one_layer_not_the_model(tmp_path: Path, calib: Path) -> None:
     """Peak RSS of converting 2 vs 8 layers of hidden 512 / intermediate 2048 (17 MB of fp32
     weights per layer): 6 more layers are 100 MB of weights; measured 2026-12-02 the peak grew
-    by 34 MB (518 -> 552 MiB: allocator slack and per-layer metadata), not by the model."""
+    by 34 MB (518 -> 552 MiB: allocator slack and per-layer metadata), not by the model.
+    The child reports its own high-water mark (VmHWM): ru_maxrss survives exec and once reported
+    pytest's size after it had built the 8-layer model (513 -> 579 MiB, a false failure). It
+    runs one thread with glibc malloc pinned (fixed mmap threshold, two arenas), so freed layers
+    go back to the OS however the threads are scheduled on a busy machine."""
     peaks = {}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": "2"}
     for layers in (2, 8):
         model = make_model(tmp_path / f"m{layers}", layers=layers, hidden=512, intermediate=2048)
         run = subprocess.run(
             [sys.executable, "-c", _RSS_SCRIPT, str(model), str(tmp_path / f"q{layers}"), str(calib)],
-            capture_output=True, text=True, check=True,
+            capture_output=True, text=True, check=True, env=env,
         )
-        peaks[layers] = int(run.stdout.split()[-1]) * 1024  # ru_maxrss is in KiB on Linux
+        peaks[layers] = int(run.stdout.split()[-1]) * 1024  # VmHWM is in KiB
     layer_bytes = (4 * 512 * 512 + 3 * 512 * 2048) * 4
     assert peaks[8] - peaks[2] < 3 * layer_bytes, peaks  # holding the model would add >= 6
