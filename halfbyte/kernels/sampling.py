@@ -40,11 +40,12 @@ def row_keys(seeds: list[int], positions: list[int]) -> list[int]:
 
 
 def uniform_noise_ref(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """U [B, V] in (0, 1) with 24-bit resolution, a pure function of (key, token id)."""
+    """U [B, V] in [2^-24, 1 - 2^-24], a pure function of (key, token id). 23 bits: with 24,
+    (2^24 - 0.5) rounds to 2^24 in fp32, U = 1, E = 0 and a -inf logit would score NaN."""
     tokens = torch.arange(vocab, dtype=torch.int64, device=keys.device)
     h = _fmix32(tokens.unsqueeze(0) ^ keys.unsqueeze(1))  # [B, V]
     h = _fmix32((h + keys.unsqueeze(1)) & _MASK32)
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def race_ref(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
@@ -118,7 +119,7 @@ if HAS_TRITON:
             x = tl.load(x_ptr + row * vocab + cols, mask=mask, other=float("-inf"))
             h = _fmix32_tl(cols.to(tl.int64) ^ key)
             h = _fmix32_tl((h + key) & 0xFFFFFFFF)
-            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
             score = tl.where(noisy, x - tl.log(-tl.log(u)), x)
             score = tl.where(mask, score, float("-inf"))
             block_best = tl.max(score, axis=0)
