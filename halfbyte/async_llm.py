@@ -247,6 +247,10 @@ class AsyncLLM:
                 f"the server is at capacity ({len(self._in_flight)} requests in flight; "
                 f"max_num_seqs {self.max_num_seqs} + max_waiting {self.max_waiting}); retry later"
             )
+        if params is not None and getattr(params, "n", 1) != 1:
+            raise InvalidParameterError(
+                "AsyncLLM runs one sample per request; for n > 1 submit params.for_sample(i) for i in range(n)"
+            )
         ids = self.tokenize(prompt)
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, asyncio.Queue(), prompt_tokens=len(ids))

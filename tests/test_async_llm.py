@@ -168,6 +168,8 @@ def test_bad_input_is_reported_and_the_engine_keeps_serving(llm: LLM) -> None:
             await collect(engine, [vocab + 5])
         with pytest.raises(InvalidParameterError):
             await collect(engine, 42)
+        with pytest.raises(InvalidParameterError):
+            await collect(engine, PROMPTS[0], SamplingParams(max_tokens=4, n=2))
         return "".join(d.text for d in await collect(engine, PROMPTS[3]))
 
     assert run(bad_then_good, llm) == llm.generate(PROMPTS[3], GREEDY)[0].text
