@@ -114,8 +114,9 @@ class TensorParallelGroup:
 
     def logits(self, hidden: torch.Tensor) -> None:
         assert self.groups is not None
-        broadcast((LOGITS, tuple(hidden.shape)), self.groups.control)
-        broadcast_rows(hidden, tuple(hidden.shape), hidden.dtype, hidden.device, self.groups.compute)
+        shape = (hidden.shape[0], hidden.shape[1])
+        broadcast((LOGITS, shape), self.groups.control)
+        broadcast_rows(hidden, shape, hidden.dtype, hidden.device, self.groups.compute)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         if self.groups is not None and src:

@@ -49,7 +49,8 @@ class ShardReader:
             raise CorruptFileError(f"checkpoint lacks tensor {name!r}")
         f = self.where[name]
         if ranges is None:
-            return f.get_tensor(name)
+            whole: torch.Tensor = f.get_tensor(name)
+            return whole
         part = f.get_slice(name)
         return torch.cat([part[a:b] for a, b in ranges])
 
@@ -154,12 +155,10 @@ def _quant_module(
         perm = reader.rows(f"{prefix}.perm").to(device) if meta.get("act_order") else None
         bias = reader.rows(bias_name).to(device) if has_bias else None
         return RowParallelQuantLinear(inner, meta["out_features"], bias, split, widths, perm, comm, dtype)
-    if unit == "lm_head":
-        out = [rp.vocab]
-    else:
-        out = _ranges(cfg, rp).get(unit)
-        if out is None:
-            raise CorruptFileError(f"quantized layer {prefix!r} cannot be split for tensor parallelism")
+    found = [rp.vocab] if unit == "lm_head" else _ranges(cfg, rp).get(unit)
+    if found is None:
+        raise CorruptFileError(f"quantized layer {prefix!r} cannot be split for tensor parallelism")
+    out = found
     w = _column_quant(reader, prefix, meta, out).to(device)
     bias = reader.rows(bias_name, out).to(device) if has_bias else None
     return QuantLinear(w, bias, dtype)

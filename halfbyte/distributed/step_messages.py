@@ -35,7 +35,7 @@ def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionM
 
 
 def unpack_step(msg: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    fields = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in msg["meta"].items()}
+    fields: dict[str, Any] = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in msg["meta"].items()}
     return msg["input_ids"].to(device), msg["positions"].to(device), AttentionMetadata(**fields)
 
 

@@ -61,7 +61,7 @@ class RowParallelQuantLinear(torch.nn.Module):
                 x = x[:, self.perm]
             x = x[:, self.split.k_range[0] : self.split.k_range[1]]
         if self.inner is not None:
-            y = self.inner(x)
+            y: torch.Tensor = self.inner(x)
         else:
             y = torch.zeros(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         self.comm.all_reduce(y)

@@ -21,7 +21,7 @@ from halfbyte.distributed.plan import RankPlan, TensorParallelPlan
 from halfbyte.kernels.attention import AttentionMetadata
 from halfbyte.kernels.embedding import embedding
 from halfbyte.model.config import ModelConfig
-from halfbyte.model.llama import KVCache, LlamaModel
+from halfbyte.model.llama import DecoderLayer, KVCache, LlamaModel
 from halfbyte.model.parallel_linear import RowParallelLinear
 
 
@@ -43,6 +43,7 @@ class ParallelLlamaModel(LlamaModel):
         self.comm = comm
         self.driver: Driver | None = None  # rank 0 of several: tells the workers what to run
         for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
             attn.o_proj = RowParallelLinear(local.q_size, cfg.hidden_size, cfg.o_bias, dtype, device, comm)
             mlp.down_proj = RowParallelLinear(local.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device, comm)
