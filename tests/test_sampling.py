@@ -217,3 +217,23 @@ def test_logits_processor_sees_its_row_and_output() -> None:
     out = Sampler(EOS).sample(logits, seqs)
     assert out.token_ids[0] == 7 and out.token_ids[1] != 7
     assert seen == [[9]]
+
+
+def test_candidate_path_matches_reference_when_every_row_has_top_k() -> None:
+    torch.manual_seed(6)
+    vocab = 2000
+    params = [SamplingParams(top_k=30, top_p=0.8, temperature=0.9), SamplingParams(top_k=12, typical_p=0.7),
+              SamplingParams(top_k=50, min_p=0.1, repetition_penalty=1.3), SamplingParams(temperature=0),
+              SamplingParams(top_k=5, top_p=0.5, typical_p=0.9, min_p=0.05, temperature=2.0)]
+    seqs = [FakeSeq(p, [1, 2, 3]) for p in params]
+    logits = torch.randn(len(seqs), vocab) * 3
+    sampler = Sampler(EOS)
+    got = sampler.filtered_logits(logits, seqs).softmax(dim=1)
+    for i, seq in enumerate(seqs):
+        want = ref_filtered_probs(ref_penalized(logits[i], seq, EOS), seq.params)
+        if seq.params.greedy:
+            assert got[i].argmax() == want.argmax()
+        else:
+            assert (got[i].double() - want).abs().max().item() <= 1e-6, seq.params
+    tokens = sampler.sample(logits, seqs).token_ids
+    assert all(got[i, t] > 0 for i, t in enumerate(tokens))

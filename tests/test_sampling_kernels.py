@@ -68,3 +68,16 @@ def test_noise_never_reaches_one_so_filtered_tokens_never_win() -> None:
     keys = torch.tensor(row_keys([0], [0]))
     u = uniform_noise_ref(keys, 1 << 20)
     assert u.max().item() < 1.0 and torch.isfinite(torch.log(-torch.log(u))).all()
+
+
+def test_race_on_candidates_equals_the_full_row_draw() -> None:
+    torch.manual_seed(9)
+    rows, vocab, k = 4, 300, 17
+    full = torch.randn(rows, vocab, device=DEVICE) * 2
+    vals, ids = full.topk(k, dim=1)
+    masked = torch.full_like(full, float("-inf")).scatter_(1, ids, vals)
+    keys = torch.tensor(row_keys([11, 12, 13, 14], [3] * rows), dtype=torch.int64, device=DEVICE)
+    greedy = torch.tensor([False, True, False, False], device=DEVICE)
+    want = race_ref(masked, keys, greedy)
+    assert torch.equal(race_ref(vals, keys, greedy, ids), want)
+    assert torch.equal(race_triton(vals, keys, greedy, ids), want)

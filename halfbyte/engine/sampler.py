@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from halfbyte.engine.sampling_filters import FilterParams, apply_filters
+from halfbyte.engine.sampling_filters import FilterParams, apply_filters, filter_candidates
 from halfbyte.engine.token_state import SampledSequence, TokenStatePool
 from halfbyte.kernels.sampling import penalize, race, row_keys
 
@@ -51,12 +51,16 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[SampledSequence]) -> SamplerOutput:
         """logits [B, V] (any float dtype) for the batch's sampling sequences, in order."""
         params = [s.params for s in seqs]
-        x = self.filtered_logits(logits, seqs)
         dev = logits.device
+        x, f = self._scaled_logits(logits, seqs)
         keys = torch.tensor(row_keys([self._seed(s) for s in seqs], [len(s.token_ids) for s in seqs]),
                             dtype=torch.int64, device=dev)
         greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=dev)
-        tokens = race(x, keys, greedy)  # [B] int64
+        if f is not None and f.candidates_only:  # the draw sees only [B, K] candidates
+            vals, ids = filter_candidates(x, f)
+            tokens = race(vals, keys, greedy, ids)  # [B] int64
+        else:
+            tokens = race(apply_filters(x, f) if f is not None else x, keys, greedy)  # [B] int64
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(logits, tokens, token_list, params))
 
@@ -64,6 +68,15 @@ class Sampler:
     def filtered_logits(self, logits: torch.Tensor, seqs: list[SampledSequence]) -> torch.Tensor:
         """[B, V] fp32: processed, penalised, scaled and filtered (dropped tokens at -inf);
         softmax of a row is the distribution that row samples from (greedy rows: its argmax)."""
+        x, f = self._scaled_logits(logits, seqs)
+        if f is None:
+            return x
+        if not f.candidates_only:
+            return apply_filters(x, f)
+        vals, ids = filter_candidates(x, f)
+        return torch.full_like(x, float("-inf")).scatter_(1, ids, vals)
+
+    def _scaled_logits(self, logits: torch.Tensor, seqs: list[SampledSequence]) -> tuple[torch.Tensor, FilterParams | None]:
         vocab = logits.shape[1]
         dev = logits.device
         params = [s.params for s in seqs]
@@ -83,8 +96,7 @@ class Sampler:
         else:
             x = logits.float() * row_params[:, 3:4]  # [B, V] fp32; a copy, never the model's buffer
         self._suppress_stops(x, seqs)
-        f = self._filter_params(params, vocab, dev)
-        return apply_filters(x, f) if f is not None else x
+        return x, self._filter_params(params, vocab, dev)
 
     def _suppress_stops(self, x: torch.Tensor, seqs: list[SampledSequence]) -> None:
         flat: list[int] = []
@@ -116,6 +128,7 @@ class Sampler:
             max_top_k=max_top_k, use_top_p=use_top_p,
             typical_rows=torch.tensor(typical_rows, dtype=torch.int64, device=dev) if typical_rows else None,
             use_min_p=use_min_p,
+            candidates_only=max_top_k > 0 and all(k < vocab or p.greedy for k, p in zip(top_k, params, strict=True)),
         )
 
     @staticmethod

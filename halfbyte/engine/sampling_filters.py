@@ -28,6 +28,8 @@ class FilterParams:
     use_top_p: bool
     typical_rows: torch.Tensor | None  # [R] int64 rows with typical_p < 1 (built on the host: no sync)
     use_min_p: bool
+    # every sampling row has a top_k: all filtering and the draw can stay on [B, max_top_k] candidates
+    candidates_only: bool = False
 
 
 def _keep_before_mass(probs_sorted: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
@@ -41,7 +43,7 @@ def _keep_before_mass(probs_sorted: torch.Tensor, mass: torch.Tensor) -> torch.T
 def _top_k_top_p(x: torch.Tensor, f: FilterParams) -> torch.Tensor:
     rows, vocab = x.shape
     has_k = f.top_k < vocab  # [B]
-    k_bound = min(vocab, max(f.max_top_k, TOP_P_CANDIDATES if f.use_top_p else 0))
+    k_bound = min(vocab, max(f.max_top_k, TOP_P_CANDIDATES if f.use_top_p and not f.candidates_only else 0))
     vals, idx = x.topk(k_bound, dim=1)  # [B, K] descending
     pos = torch.arange(k_bound, device=x.device)
     keep = pos.unsqueeze(0) < f.top_k.unsqueeze(1)  # top_k = vocab keeps every candidate
@@ -81,6 +83,27 @@ def _typical(x: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(~keep, NEG_INF)
 
 
+def filter_candidates(x: torch.Tensor, f: FilterParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """When every row has a top_k (f.candidates_only): ([B, K] filtered candidate logits with
+    dropped ones at -inf, [B, K] their token ids). Never touches the full vocabulary again."""
+    vals, idx = x.topk(f.max_top_k, dim=1)  # [B, K] descending
+    pos = torch.arange(f.max_top_k, device=x.device)
+    vals = vals.masked_fill(pos.unsqueeze(0) >= f.top_k.unsqueeze(1), NEG_INF)
+    if f.use_top_p:
+        vals = vals.masked_fill(~_keep_before_mass(vals.softmax(dim=1), f.top_p), NEG_INF)
+    if f.typical_rows is not None:
+        rows = f.typical_rows
+        vals = vals.index_copy(0, rows, _typical(vals[rows], f.typical_p[rows]))
+    if f.use_min_p:
+        vals = _min_p(vals, f.min_p)
+    return vals, idx
+
+
+def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    threshold = x.max(dim=1, keepdim=True).values + min_p.log().unsqueeze(1)  # log 0 = -inf keeps all
+    return x.masked_fill(x < threshold, NEG_INF)
+
+
 def apply_filters(x: torch.Tensor, f: FilterParams) -> torch.Tensor:
     """x [B, V] fp32 scaled logits -> the same with filtered-out tokens at -inf."""
     if f.max_top_k > 0 or f.use_top_p:
@@ -89,6 +112,5 @@ def apply_filters(x: torch.Tensor, f: FilterParams) -> torch.Tensor:
         rows = f.typical_rows
         x = x.index_copy(0, rows, _typical(x[rows], f.typical_p[rows]))
     if f.use_min_p:
-        threshold = x.max(dim=1, keepdim=True).values + f.min_p.log().unsqueeze(1)  # log 0 = -inf keeps all
-        x = x.masked_fill(x < threshold, NEG_INF)
+        x = _min_p(x, f.min_p)
     return x

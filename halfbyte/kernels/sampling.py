@@ -39,20 +39,24 @@ def row_keys(seeds: list[int], positions: list[int]) -> list[int]:
     return _fmix32(k ^ _fmix32(t[:, 2] ^ 0x27D4EB2F)).tolist()
 
 
-def uniform_noise_ref(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+def uniform_noise_ref(keys: torch.Tensor, vocab: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """U [B, V] in [2^-24, 1 - 2^-24], a pure function of (key, token id). 23 bits: with 24,
     (2^24 - 0.5) rounds to 2^24 in fp32, U = 1, E = 0 and a -inf logit would score NaN."""
-    tokens = torch.arange(vocab, dtype=torch.int64, device=keys.device)
-    h = _fmix32(tokens.unsqueeze(0) ^ keys.unsqueeze(1))  # [B, V]
+    if token_ids is None:
+        token_ids = torch.arange(vocab, dtype=torch.int64, device=keys.device).unsqueeze(0)
+    h = _fmix32(token_ids.long() ^ keys.unsqueeze(1))  # [B, V]
     h = _fmix32((h + keys.unsqueeze(1)) & _MASK32)
     return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
-def race_ref(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-    """x [B, V] fp32 (filtered tokens at -inf), keys [B] int64, greedy [B] bool -> tokens [B] int64."""
-    u = uniform_noise_ref(keys, x.shape[1])
+def race_ref(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, V] fp32 (filtered tokens at -inf), keys [B] int64, greedy [B] bool -> tokens [B] int64.
+    With token_ids [B, K], x holds only those candidates: the noise is hashed from their ids, so
+    the draw equals the full-vocabulary one with every other token at -inf."""
+    u = uniform_noise_ref(keys, x.shape[1], token_ids)
     scores = x - torch.log(-torch.log(u))
-    return torch.where(greedy, x.argmax(dim=1), scores.argmax(dim=1))
+    pos = torch.where(greedy, x.argmax(dim=1), scores.argmax(dim=1))
+    return pos if token_ids is None else token_ids.long().gather(1, pos.unsqueeze(1)).squeeze(1)
 
 
 def penalize_ref(
@@ -106,7 +110,7 @@ if HAS_TRITON:
         tl.store(out_ptr + row * vocab + cols, x * inv_temp, mask=mask)
 
     @triton.jit
-    def _race_kernel(x_ptr, keys_ptr, greedy_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+    def _race_kernel(x_ptr, keys_ptr, greedy_ptr, ids_ptr, out_ptr, vocab, HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
         # one program per row, streaming the vocabulary: running (best score, its token)
         row = tl.program_id(0).to(tl.int64)
         key = tl.load(keys_ptr + row)
@@ -117,16 +121,22 @@ if HAS_TRITON:
             cols = start + tl.arange(0, BLOCK)
             mask = cols < vocab
             x = tl.load(x_ptr + row * vocab + cols, mask=mask, other=float("-inf"))
-            h = _fmix32_tl(cols.to(tl.int64) ^ key)
+            if HAS_IDS:
+                tok = tl.load(ids_ptr + row * vocab + cols, mask=mask, other=0).to(tl.int64)
+            else:
+                tok = cols.to(tl.int64)
+            h = _fmix32_tl(tok ^ key)
             h = _fmix32_tl((h + key) & 0xFFFFFFFF)
             u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
             score = tl.where(noisy, x - tl.log(-tl.log(u)), x)
             score = tl.where(mask, score, float("-inf"))
             block_best = tl.max(score, axis=0)
-            block_tok = tl.argmax(score, axis=0).to(tl.int64) + start
+            block_tok = tl.argmax(score, axis=0).to(tl.int64) + start  # a position; ids mapped at the end
             better = block_best > best  # strict: the first maximum wins, as torch.argmax
             best_tok = tl.where(better, block_tok, best_tok)
             best = tl.where(better, block_best, best)
+        if HAS_IDS:
+            best_tok = tl.load(ids_ptr + row * vocab + best_tok).to(tl.int64)
         tl.store(out_ptr + row, best_tok)
 
 
@@ -143,13 +153,14 @@ def penalize_triton(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Ten
     return out
 
 
-def race_triton(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+def race_triton(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
     x = x.float().contiguous()
+    ids = token_ids.to(torch.int64).contiguous() if token_ids is not None else keys
     rows, vocab = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     block = min(4096, next_power_of_2(vocab))
-    _race_kernel[(rows,)](x, keys.to(torch.int64).contiguous(), greedy.to(torch.int32).contiguous(), out, vocab,
-                          BLOCK=block, num_warps=8)
+    _race_kernel[(rows,)](x, keys.to(torch.int64).contiguous(), greedy.to(torch.int32).contiguous(), ids, out, vocab,
+                          HAS_IDS=token_ids is not None, BLOCK=block, num_warps=8 if block >= 1024 else 4)
     return out
 
 
@@ -160,7 +171,7 @@ def penalize(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, pr
     return penalize_ref(logits, slots, counts, prompt_seen, additive, row_params)
 
 
-def race(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+def race(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
     if use_triton(x):
-        return race_triton(x, keys, greedy)
-    return race_ref(x, keys, greedy)
+        return race_triton(x, keys, greedy, token_ids)
+    return race_ref(x, keys, greedy, token_ids)
