@@ -10,6 +10,7 @@ one host sync is reading the tokens back (plus one when a top-p row needs the so
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from halfbyte.engine.sampling_filters import FilterParams, apply_filters, filter_candidates
 from halfbyte.engine.token_state import SampledSequence, TokenStatePool
 from halfbyte.kernels.sampling import penalize, race, row_keys
+from halfbyte.sampling_params import SamplingParams
 
 Logprobs = dict[int, float]  # token id -> logprob: the top-N and the sampled token
 
@@ -48,7 +50,7 @@ class Sampler:
         return self._state
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[SampledSequence]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, seqs: Sequence[SampledSequence]) -> SamplerOutput:
         """logits [B, V] (any float dtype) for the batch's sampling sequences, in order."""
         params = [s.params for s in seqs]
         dev = logits.device
@@ -65,7 +67,7 @@ class Sampler:
         return SamplerOutput(token_list, self._logprobs(logits, tokens, token_list, params))
 
     @torch.inference_mode()
-    def filtered_logits(self, logits: torch.Tensor, seqs: list[SampledSequence]) -> torch.Tensor:
+    def filtered_logits(self, logits: torch.Tensor, seqs: Sequence[SampledSequence]) -> torch.Tensor:
         """[B, V] fp32: processed, penalised, scaled and filtered (dropped tokens at -inf);
         softmax of a row is the distribution that row samples from (greedy rows: its argmax)."""
         x, f = self._scaled_logits(logits, seqs)
@@ -76,7 +78,7 @@ class Sampler:
         vals, ids = filter_candidates(x, f)
         return torch.full_like(x, float("-inf")).scatter_(1, ids, vals)
 
-    def _scaled_logits(self, logits: torch.Tensor, seqs: list[SampledSequence]) -> tuple[torch.Tensor, FilterParams | None]:
+    def _scaled_logits(self, logits: torch.Tensor, seqs: Sequence[SampledSequence]) -> tuple[torch.Tensor, FilterParams | None]:
         vocab = logits.shape[1]
         dev = logits.device
         params = [s.params for s in seqs]
@@ -98,7 +100,7 @@ class Sampler:
         self._suppress_stops(x, seqs)
         return x, self._filter_params(params, vocab, dev)
 
-    def _suppress_stops(self, x: torch.Tensor, seqs: list[SampledSequence]) -> None:
+    def _suppress_stops(self, x: torch.Tensor, seqs: Sequence[SampledSequence]) -> None:
         flat: list[int] = []
         vocab = x.shape[1]
         for i, seq in enumerate(seqs):
@@ -109,7 +111,7 @@ class Sampler:
             x.view(-1).index_fill_(0, torch.tensor(flat, dtype=torch.int64, device=x.device), float("-inf"))
 
     @staticmethod
-    def _filter_params(params: list, vocab: int, dev: torch.device) -> FilterParams | None:
+    def _filter_params(params: Sequence[SamplingParams], vocab: int, dev: torch.device) -> FilterParams | None:
         # greedy rows take the argmax whatever their filters say: their filters are off here
         top_k = [p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params]
         top_p = [1.0 if p.greedy else p.top_p for p in params]
@@ -132,7 +134,7 @@ class Sampler:
         )
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int], params: list) -> list[Logprobs | None]:
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int], params: list[SamplingParams]) -> list[Logprobs | None]:
         """The model's own distribution (before penalties and filters), fp32."""
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         out: list[Logprobs | None] = [None] * len(params)
@@ -140,12 +142,12 @@ class Sampler:
             return out
         idx = torch.tensor(want, dtype=torch.int64, device=raw.device)
         logp = raw[idx].float().log_softmax(dim=1)  # [R, V]
-        top_n = max(params[i].logprobs for i in want)
+        top_n = max(params[i].logprobs or 0 for i in want)
         sampled = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
-        top_vals, top_ids = logp.topk(max(top_n, 1), dim=1)
+        top_vals, top_ids = logp.topk(max(top_n, 1), dim=1)  # [R, N]
         top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
         for r, i in enumerate(want):
-            n = params[i].logprobs
+            n = params[i].logprobs or 0
             entry = {int(t): float(v) for t, v in zip(top_ids_l[r][:n], top_vals_l[r][:n], strict=True)}
             entry[token_list[i]] = sampled[r]
             out[i] = entry

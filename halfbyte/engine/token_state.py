@@ -10,6 +10,7 @@ garbage-collected, so the scheduler only has to hand the sampler its batch's seq
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -94,7 +95,7 @@ class TokenStatePool:
         weakref.finalize(seq, self._release, slot)
         return state
 
-    def slots_for(self, seqs: list[SampledSequence]) -> torch.Tensor:
+    def slots_for(self, seqs: Sequence[SampledSequence]) -> torch.Tensor:
         """[B] int32 slot per row (0 where none), after counting each row's new tokens."""
         self._reclaim()
         slots: list[int] = []
