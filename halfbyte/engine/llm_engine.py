@@ -85,9 +85,10 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len or model_cfg.max_position_embeddings
         page = self.config.page_size
         kv_cfg = self.tp.local_config if self.tp is not None else model_cfg  # a rank's pages hold its KV heads
-        # page copies (prefix reuse, copy-on-write) run on rank 0's pool only: no prefix cache under TP yet
-        prefix_caching = self.config.enable_prefix_caching and self.tp is None
-        self.pool = PagePool(kv_cfg, self._num_pages(kv_cfg), page, self.dtype, self.device, prefix_caching)
+        # under tensor parallelism, distributed/engine_setup.attach mirrors the pool's page copies
+        self.pool = PagePool(
+            kv_cfg, self._num_pages(kv_cfg), page, self.dtype, self.device, self.config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_batch_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.config.max_num_seqs, self.max_model_len)
         self.runner.sampler.eos_token_ids = set(self.eos_token_ids)

@@ -73,7 +73,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.pool.kv_caches, meta)
         # a sequence mid-prefill has no next token yet: only finished chunks reach the LM head
         last = [meta.query_start[i + 1] - 1 for i, s in enumerate(batch.samples) if s]
-        return self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+        return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.long, device=self.device)])
 
     def step(self, batch: ScheduledBatch) -> list[int]:
         """One token per sampling sequence of the batch, in batch order."""

@@ -1,0 +1,268 @@
+"""Serving benchmark of the paged engine: many requests through LLMEngine.step().
+
+Cases (each a row of the final table, all written to --out as JSON):
+  throughput  N concurrent requests of mixed prompt / output lengths: aggregate tokens/s
+  prefix      time to first token of a request whose --prefix-len-token prefix is cached,
+              against one with an uncached prefix of the same length (and their ratio)
+  itl         the largest gap between tokens of running decodes while a --long-prompt prefills
+              in chunks of --max-batch-tokens, against the gap before it arrives
+  decode64    --decode-requests x (prompt --decode-prompt, output --decode-output): decode
+              tokens/s once all have their first token, and its ratio to one request alone
+
+GPU (random-weight quantized model of --shape, no download):
+  python bench/serving.py --device cuda --shape llama3-8b --out serving_gpu.json
+CPU (the default SmolLM2 model), small sizes:
+  python bench/serving.py --device cpu --num-requests 8 --prefix-len 256 --long-prompt 1024 \
+      --max-batch-tokens 256 --decode-requests 8 --decode-prompt 64 --decode-output 16 --out serving_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from halfbyte.engine import llm_engine as engine_module  # noqa: E402
+from halfbyte.engine.config import EngineConfig  # noqa: E402
+from halfbyte.engine.llm_engine import LLMEngine  # noqa: E402
+from halfbyte.model.loader import LoadedModel  # noqa: E402
+from halfbyte.sampling_params import SamplingParams  # noqa: E402
+
+
+class _SilentTokenizer:
+    """Random weights have no tokenizer: token ids in, no text out."""
+
+    eos_token_id = None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def random_engine(shape: str, bits: int, config: EngineConfig) -> LLMEngine:
+    from random_model import random_model
+
+    dev = torch.device("cuda")
+    model = random_model(shape, bits, 128, torch.float16, dev, max_position_embeddings=config.max_model_len or 32768)
+    fake_dir = Path(tempfile.mkdtemp())
+    loaded = LoadedModel(fake_dir, model.cfg, _SilentTokenizer(), model)  # type: ignore[arg-type]
+    saved = engine_module.resolve_loadable, engine_module.is_quantized, engine_module.load_pretrained
+    engine_module.resolve_loadable = lambda *a, **k: fake_dir  # type: ignore[assignment]
+    engine_module.is_quantized = lambda *a, **k: True  # type: ignore[assignment]
+    engine_module.load_pretrained = lambda *a, **k: loaded  # type: ignore[assignment]
+    try:
+        return LLMEngine(None, device="cuda", dtype="float16", config=config)
+    finally:
+        engine_module.resolve_loadable, engine_module.is_quantized, engine_module.load_pretrained = saved
+
+
+def sync(engine: LLMEngine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Run:
+    """Requests added to an engine, stepped to the end, with the host time of every token."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.token_times: dict[str, list[float]] = {}
+        self.added: dict[str, float] = {}
+
+    def add(self, rid: str, ids: list[int], out_len: int) -> None:
+        self.engine.add_request(rid, ids, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))
+        self.added[rid] = time.perf_counter()
+        self.token_times[rid] = []
+
+    def step(self) -> None:
+        outs = self.engine.step()
+        sync(self.engine)
+        now = time.perf_counter()
+        for o in outs:
+            self.token_times[o.request_id].extend([now] * len(o.new_token_ids))
+
+    def until_done(self, rids: list[str] | None = None) -> None:
+        while any(len(self.token_times[r]) == 0 or self.engine.sequence(r) is not None for r in rids or self.token_times):
+            if not self.engine.has_unfinished():
+                break
+            self.step()
+
+
+def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab - 1) for _ in range(n)]
+
+
+def case_throughput(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    run = Run(engine)
+    vocab = engine.model_config.vocab_size
+    prompt_tokens = 0
+    start = time.perf_counter()
+    for i in range(args.num_requests):
+        n = rng.randint(args.prompt_min, args.prompt_max)
+        prompt_tokens += n
+        run.add(f"tp{i}", random_ids(rng, n, vocab), rng.randint(args.output_min, args.output_max))
+    run.until_done()
+    elapsed = time.perf_counter() - start
+    generated = sum(len(t) for t in run.token_times.values())
+    return {"requests": args.num_requests, "prompt_tokens": prompt_tokens, "generated_tokens": generated,
+            "seconds": elapsed, "output_tok_s": generated / elapsed, "total_tok_s": (generated + prompt_tokens) / elapsed}
+
+
+def _ttft(engine: LLMEngine, rid: str, ids: list[int]) -> float:
+    run = Run(engine)
+    run.add(rid, ids, 1)
+    run.until_done([rid])
+    return run.token_times[rid][0] - run.added[rid]
+
+
+def case_prefix(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    vocab = engine.model_config.vocab_size
+    _ttft(engine, "warm", random_ids(rng, 64, vocab))
+    prefix = random_ids(rng, args.prefix_len, vocab)
+    _ttft(engine, "seed-prefix", prefix + random_ids(rng, 16, vocab))  # puts the prefix in the cache
+    uncached = _ttft(engine, "uncached", random_ids(rng, args.prefix_len + 16, vocab))
+    before = engine.stats()
+    cached = _ttft(engine, "cached", prefix + random_ids(rng, 16, vocab))
+    after = engine.stats()
+    return {"prefix_len": args.prefix_len, "ttft_uncached_ms": uncached * 1e3, "ttft_cached_ms": cached * 1e3,
+            "speedup": uncached / cached, "hit_tokens": after.prefix_hit_tokens - before.prefix_hit_tokens,
+            "computed_tokens": after.prefix_miss_tokens - before.prefix_miss_tokens}
+
+
+def case_itl(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    vocab = engine.model_config.vocab_size
+    run = Run(engine)
+    decodes = [f"d{i}" for i in range(args.itl_decodes)]
+    for rid in decodes:
+        run.add(rid, random_ids(rng, 32, vocab), 100_000 if False else args.itl_output)
+    for _ in range(8):  # all decoding, a few steady gaps
+        run.step()
+    steady_from = {r: len(run.token_times[r]) for r in decodes}
+    run.add("long", random_ids(rng, args.long_prompt, vocab), 1)
+    long_seq = engine.sequence("long")
+    prefill_steps = 0
+    while long_seq is not None and long_seq.num_computed_tokens < args.long_prompt:
+        run.step()
+        prefill_steps += 1
+    during_from = {r: len(run.token_times[r]) for r in decodes}
+    run.step()  # the long prompt's last chunk and first token
+
+    def max_gap(rid: str, lo: int, hi: int) -> float:
+        t = run.token_times[rid][max(lo - 1, 0) : hi]
+        return max((b - a for a, b in zip(t, t[1:])), default=0.0)
+
+    steady = max(max_gap(r, 1, steady_from[r]) for r in decodes)
+    during = max(max_gap(r, steady_from[r], during_from[r] + 1) for r in decodes)
+    missed = sum(prefill_steps - (during_from[r] - steady_from[r]) for r in decodes)
+    for rid in decodes:
+        engine.abort_request(rid)
+    return {"long_prompt": args.long_prompt, "max_batch_tokens": engine.config.max_batch_tokens,
+            "decodes": len(decodes), "prefill_steps": prefill_steps, "decode_steps_missed": missed,
+            "max_gap_steady_ms": steady * 1e3, "max_gap_during_prefill_ms": during * 1e3}
+
+
+def _decode_rate(engine: LLMEngine, n: int, prompt: int, output: int, rng: random.Random) -> float:
+    vocab = engine.model_config.vocab_size
+    run = Run(engine)
+    rids = [f"dec{n}-{i}" for i in range(n)]
+    for rid in rids:
+        run.add(rid, random_ids(rng, prompt, vocab), output)
+    while any(not run.token_times[r] for r in rids):
+        run.step()
+    start = max(run.token_times[r][0] for r in rids)
+    run.until_done(rids)
+    end = max(run.token_times[r][-1] for r in rids)
+    tokens = sum(sum(1 for t in run.token_times[r] if t > start) for r in rids)
+    return tokens / (end - start)
+
+
+def case_decode(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    one = _decode_rate(engine, 1, args.decode_prompt, args.decode_output, rng)
+    many = _decode_rate(engine, args.decode_requests, args.decode_prompt, args.decode_output, rng)
+    return {"requests": args.decode_requests, "prompt": args.decode_prompt, "output": args.decode_output,
+            "decode_tok_s": many, "batch1_tok_s": one, "ratio_to_batch1": many / one}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", default="llama3-8b", help="GPU: random-weight shape from bench/random_model.py")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--model", default=None, help="CPU: a model directory (default: SmolLM2)")
+    ap.add_argument("--cases", default="throughput,prefix,itl,decode64")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-min", type=int, default=16)
+    ap.add_argument("--prompt-max", type=int, default=1024)
+    ap.add_argument("--output-min", type=int, default=16)
+    ap.add_argument("--output-max", type=int, default=256)
+    ap.add_argument("--prefix-len", type=int, default=2000)
+    ap.add_argument("--long-prompt", type=int, default=16384)
+    ap.add_argument("--itl-decodes", type=int, default=8)
+    ap.add_argument("--itl-output", type=int, default=100_000)
+    ap.add_argument("--decode-requests", type=int, default=64)
+    ap.add_argument("--decode-prompt", type=int, default=512)
+    ap.add_argument("--decode-output", type=int, default=256)
+    ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--kv-cache-tokens", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.itl_output = min(args.itl_output, args.long_prompt)  # enough to outlast the prefill
+    max_len = max(args.long_prompt, args.prefix_len, args.prompt_max, args.decode_prompt) + max(args.output_max, args.decode_output) + 64
+    config = EngineConfig(max_model_len=max_len, max_batch_tokens=args.max_batch_tokens,
+                          max_num_seqs=max(args.max_num_seqs, args.decode_requests), kv_cache_tokens=args.kv_cache_tokens)
+    if args.device.startswith("cuda"):
+        engine = random_engine(args.shape, args.bits, config)
+        label = f"{args.shape} {args.bits}-bit random, {torch.cuda.get_device_name()}"
+    else:
+        from halfbyte.io.default_model import ensure_default_model
+
+        model = args.model or ensure_default_model(fetch=True)
+        engine = LLMEngine(model, device="cpu", dtype="float32", config=config)
+        label = f"{Path(str(model)).name} fp32, CPU"
+    rng = random.Random(0)
+    runners = {"throughput": case_throughput, "prefix": case_prefix, "itl": case_itl, "decode64": case_decode}
+    results: dict[str, Any] = {"device": label, "torch": torch.__version__, "pages": engine.pool.num_pages,
+                               "page_size": engine.pool.page_size, "args": vars(args)}
+    for name in args.cases.split(","):
+        results[name] = runners[name](engine, args, rng)
+        print(name, json.dumps(results[name]), flush=True)
+    results["stats"] = vars(engine.stats())
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"\nserving benchmark: {label}, {engine.pool.num_pages} pages of {engine.pool.page_size}")
+    rows = []
+    if "throughput" in results:
+        r = results["throughput"]
+        rows.append(("throughput", f"{r['requests']} req, {r['prompt_tokens']} prompt tok",
+                     f"{r['output_tok_s']:.1f} out tok/s, {r['total_tok_s']:.1f} total tok/s"))
+    if "prefix" in results:
+        r = results["prefix"]
+        rows.append(("TTFT, cached prefix", f"prefix {r['prefix_len']}, computed {r['computed_tokens']} tok",
+                     f"{r['ttft_cached_ms']:.1f} ms vs {r['ttft_uncached_ms']:.1f} ms uncached ({r['speedup']:.1f}x)"))
+    if "itl" in results:
+        r = results["itl"]
+        rows.append(("max inter-token gap", f"{r['decodes']} decodes, {r['long_prompt']}-tok prompt, budget {r['max_batch_tokens']}",
+                     f"{r['max_gap_during_prefill_ms']:.1f} ms during prefill vs {r['max_gap_steady_ms']:.1f} ms before; "
+                     f"{r['decode_steps_missed']} missed decode steps"))
+    if "decode64" in results:
+        r = results["decode64"]
+        rows.append(("decode throughput", f"{r['requests']} x (prompt {r['prompt']}, out {r['output']})",
+                     f"{r['decode_tok_s']:.1f} tok/s, {r['ratio_to_batch1']:.1f}x batch 1 ({r['batch1_tok_s']:.1f})"))
+    width = max(len(a) for a, _, _ in rows)
+    wid2 = max(len(b) for _, b, _ in rows)
+    for a, b, c in rows:
+        print(f"{a:<{width}}  {b:<{wid2}}  {c}")
+
+
+if __name__ == "__main__":
+    main()
