@@ -217,3 +217,37 @@ def test_worker_load_error_reaches_rank0_and_workers_exit(tokenizer_dir: Path, t
     save_file(tensors, d / "model.safetensors")
     with pytest.raises(CorruptFileError):
         _engine(d, 2)
+
+
+_TORCHRUN_SCRIPT = """
+import json, sys
+from halfbyte.api import LLM
+from halfbyte.sampling_params import SamplingParams
+model, tp, out = sys.argv[1], (None if sys.argv[2] == "none" else int(sys.argv[2])), sys.argv[3]
+with LLM(model, device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
+    res = llm.generate(["one two three four", "a b"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    with open(out, "w") as f:
+        json.dump([r.token_ids for r in res], f)
+"""
+
+
+def test_torchrun_launched_ranks_match_single_process(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Every torchrun rank runs the same script; rank 0 generates, rank 1 serves it and exits."""
+    import subprocess
+    import sys
+
+    d = make_random_llama(
+        tmp_path / "m", tokenizer_dir, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+    )
+    script = tmp_path / "run.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    subprocess.run([sys.executable, str(script), str(d), "none", str(tmp_path / "ref.json")],
+                   check=True, env=env, timeout=120)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    str(script), str(d), "2", str(tmp_path / "tp.json")], check=True, env=env, timeout=180,
+                   capture_output=True)
+    ref = json.loads((tmp_path / "ref.json").read_text())
+    assert json.loads((tmp_path / "tp.json").read_text()) == ref
+    assert all(len(ids) == 5 for ids in ref)

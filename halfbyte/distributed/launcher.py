@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from halfbyte.distributed.collectives import SINGLE, Collectives
 from halfbyte.distributed.plan import TensorParallelPlan, check_world_size, make_plan
@@ -126,6 +127,7 @@ class TensorParallelGroup:
         if self.groups is not None:
             try:
                 broadcast((STOP,), self.groups.control)
+                dist.barrier(group=self.groups.control)  # every rank leaves the loop before any tears down
             finally:
                 self._stop_processes()
                 self.groups = None

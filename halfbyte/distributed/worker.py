@@ -71,6 +71,7 @@ def serve(model: ParallelLlamaModel, groups: Groups, device: torch.device) -> No
         msg = broadcast(None, groups.control)
         kind = msg[0]
         if kind == STOP:
+            torch.distributed.barrier(group=groups.control)
             return
         if kind == POOL:
             _, num_pages, page_size = msg
