@@ -251,3 +251,40 @@ def test_torchrun_launched_ranks_match_single_process(tokenizer_dir: Path, tmp_p
     ref = json.loads((tmp_path / "ref.json").read_text())
     assert json.loads((tmp_path / "tp.json").read_text()) == ref
     assert all(len(ids) == 5 for ids in ref)
+
+
+def test_prefix_cache_page_copies_are_mirrored_on_every_rank(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A second request over a cached 40-token prefix shares two pages and copies the partly
+    matching third: the workers must make the same copy, or their KV heads read stale pages."""
+    d = make_random_llama(
+        tmp_path / "m", tokenizer_dir, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )
+    prefix = list(range(300, 340))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    copies: list[int] = []
+
+    def run(tp: int | None) -> tuple[list[list[int]], int]:
+        engine = _engine(d, tp)
+        if engine.tp is not None:  # count the copies sent to the workers
+            send = engine.tp.copy_pages
+            engine.tp.copy_pages = lambda src, dst: (copies.append(len(src)), send(src, dst))[1]  # type: ignore[method-assign]
+        try:
+            outs = []
+            for i, tail in enumerate(([7, 8, 9], [11, 12])):  # one after the other: the second hits the cache
+                engine.add_request(str(i), prefix + tail, params)
+                ids: list[int] = []
+                while engine.has_unfinished():
+                    for o in engine.step():
+                        ids += o.new_token_ids
+                outs.append(ids)
+            return outs, engine.stats().prefix_hit_tokens
+        finally:
+            engine.close()
+
+    ref, ref_hits = run(None)
+    got, hits = run(2)
+    assert hits > 0 and hits == ref_hits
+    assert sum(copies) > 0  # the partly matching page was copied, on the workers too
+    assert got == ref
