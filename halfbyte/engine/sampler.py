@@ -18,7 +18,7 @@ import torch
 
 from halfbyte.engine.sampling_filters import FilterParams, apply_filters, filter_candidates
 from halfbyte.engine.token_state import SampledSequence, TokenStatePool
-from halfbyte.kernels.sampling import penalize, race, row_keys
+from halfbyte.kernels.sampling import penalize, race, row_key
 from halfbyte.sampling_params import SamplingParams
 
 Logprobs = dict[int, float]  # token id -> logprob: the top-N and the sampled token
@@ -28,6 +28,14 @@ Logprobs = dict[int, float]  # token id -> logprob: the top-N and the sampled to
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[Logprobs | None]  # per row; None where the request did not ask
+
+
+@dataclass
+class _RowTensors:
+    floats: torch.Tensor  # [B, 7] fp32: repetition, frequency, presence, 1/temperature, top_p, typical_p, min_p
+    ints: torch.Tensor  # [B, 3] int64: noise key, top_k (vocab where off), greedy
+    host_floats: list[list[float]]
+    host_ints: list[list[int]]
 
 
 class Sampler:
@@ -53,11 +61,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: Sequence[SampledSequence]) -> SamplerOutput:
         """logits [B, V] (any float dtype) for the batch's sampling sequences, in order."""
         params = [s.params for s in seqs]
-        dev = logits.device
-        x, f = self._scaled_logits(logits, seqs)
-        keys = torch.tensor(row_keys([self._seed(s) for s in seqs], [len(s.token_ids) for s in seqs]),
-                            dtype=torch.int64, device=dev)
-        greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=dev)
+        x, f, rows = self._scaled_logits(logits, seqs)
+        keys, greedy = rows.ints[:, 0], rows.ints[:, 2] != 0
         if f is not None and f.candidates_only:  # the draw sees only [B, K] candidates
             vals, ids = filter_candidates(x, f)
             tokens = race(vals, keys, greedy, ids)  # [B] int64
@@ -70,7 +75,7 @@ class Sampler:
     def filtered_logits(self, logits: torch.Tensor, seqs: Sequence[SampledSequence]) -> torch.Tensor:
         """[B, V] fp32: processed, penalised, scaled and filtered (dropped tokens at -inf);
         softmax of a row is the distribution that row samples from (greedy rows: its argmax)."""
-        x, f = self._scaled_logits(logits, seqs)
+        x, f, _ = self._scaled_logits(logits, seqs)
         if f is None:
             return x
         if not f.candidates_only:
@@ -78,7 +83,24 @@ class Sampler:
         vals, ids = filter_candidates(x, f)
         return torch.full_like(x, float("-inf")).scatter_(1, ids, vals)
 
-    def _scaled_logits(self, logits: torch.Tensor, seqs: Sequence[SampledSequence]) -> tuple[torch.Tensor, FilterParams | None]:
+    def _row_tensors(self, seqs: Sequence[SampledSequence], vocab: int, dev: torch.device) -> _RowTensors:
+        """Every per-row parameter in two host-to-device copies. Greedy rows take the argmax
+        whatever their filters say: their filters are off here."""
+        floats: list[list[float]] = []
+        ints: list[list[int]] = []
+        for s in seqs:
+            p = s.params
+            g = p.greedy
+            floats.append([p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+                           1.0 if g else 1.0 / p.temperature, 1.0 if g else p.top_p,
+                           1.0 if g else p.typical_p, 0.0 if g else p.min_p])
+            ints.append([row_key(self._seed(s), len(s.token_ids)), p.top_k if 0 < p.top_k < vocab and not g else vocab, g])
+        return _RowTensors(torch.tensor(floats, dtype=torch.float32, device=dev).reshape(-1, 7),
+                           torch.tensor(ints, dtype=torch.int64, device=dev).reshape(-1, 3), floats, ints)
+
+    def _scaled_logits(
+        self, logits: torch.Tensor, seqs: Sequence[SampledSequence]
+    ) -> tuple[torch.Tensor, FilterParams | None, _RowTensors]:
         vocab = logits.shape[1]
         dev = logits.device
         params = [s.params for s in seqs]
@@ -87,18 +109,15 @@ class Sampler:
             for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
                 for proc in p.logits_processors:
                     logits[i] = proc(list(seq.token_ids[len(seq.prompt_token_ids):]), logits[i])
-        # [B, 4]: repetition, frequency, presence, 1 / temperature (greedy rows keep their scale)
-        row_params = torch.tensor(
-            [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty, 1.0 / p.temperature if p.temperature > 0 else 1.0]
-             for p in params], dtype=torch.float32, device=dev)
+        rows = self._row_tensors(seqs, vocab, dev)
         if any(p.needs_token_state for p in params):
             pool = self._token_state(vocab, dev)
             slots = pool.slots_for(seqs)
-            x = penalize(logits, slots, pool.counts, pool.prompt_seen, pool.additive, row_params)
+            x = penalize(logits, slots, pool.counts, pool.prompt_seen, pool.additive, rows.floats[:, :4])
         else:
-            x = logits.float() * row_params[:, 3:4]  # [B, V] fp32; a copy, never the model's buffer
+            x = logits.float() * rows.floats[:, 3:4]  # [B, V] fp32; a copy, never the model's buffer
         self._suppress_stops(x, seqs)
-        return x, self._filter_params(params, vocab, dev)
+        return x, self._filter_params(rows, vocab), rows
 
     def _suppress_stops(self, x: torch.Tensor, seqs: Sequence[SampledSequence]) -> None:
         flat: list[int] = []
@@ -111,26 +130,21 @@ class Sampler:
             x.view(-1).index_fill_(0, torch.tensor(flat, dtype=torch.int64, device=x.device), float("-inf"))
 
     @staticmethod
-    def _filter_params(params: Sequence[SamplingParams], vocab: int, dev: torch.device) -> FilterParams | None:
-        # greedy rows take the argmax whatever their filters say: their filters are off here
-        top_k = [p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params]
-        top_p = [1.0 if p.greedy else p.top_p for p in params]
-        typical = [1.0 if p.greedy else p.typical_p for p in params]
-        min_p = [0.0 if p.greedy else p.min_p for p in params]
+    def _filter_params(rows: _RowTensors, vocab: int) -> FilterParams | None:
+        top_k = [r[1] for r in rows.host_ints]
         max_top_k = max((k for k in top_k if k < vocab), default=0)
-        use_top_p = any(v < 1.0 for v in top_p)
-        typical_rows = [i for i, v in enumerate(typical) if v < 1.0]
-        use_min_p = any(v > 0.0 for v in min_p)
+        use_top_p = any(r[4] < 1.0 for r in rows.host_floats)
+        typical_rows = [i for i, r in enumerate(rows.host_floats) if r[5] < 1.0]
+        use_min_p = any(r[6] > 0.0 for r in rows.host_floats)
         if not (max_top_k or use_top_p or typical_rows or use_min_p):
             return None
-        floats = torch.tensor([top_p, typical, min_p], dtype=torch.float32, device=dev)  # [3, B]
+        dev = rows.floats.device
         return FilterParams(
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=dev),
-            top_p=floats[0], typical_p=floats[1], min_p=floats[2],
+            top_k=rows.ints[:, 1], top_p=rows.floats[:, 4], typical_p=rows.floats[:, 5], min_p=rows.floats[:, 6],
             max_top_k=max_top_k, use_top_p=use_top_p,
             typical_rows=torch.tensor(typical_rows, dtype=torch.int64, device=dev) if typical_rows else None,
             use_min_p=use_min_p,
-            candidates_only=max_top_k > 0 and all(k < vocab or p.greedy for k, p in zip(top_k, params, strict=True)),
+            candidates_only=max_top_k > 0 and all(k < vocab or r[2] for k, r in zip(top_k, rows.host_ints, strict=True)),
         )
 
     @staticmethod
