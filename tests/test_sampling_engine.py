@@ -23,6 +23,7 @@ def llm(default_model_dir: Path) -> Iterator[LLM]:
         yield model
 
 
+@pytest.mark.slow  # ~40 s on the shared 2-core box; tests/test_sampling.py checks the same on the sampler alone
 def test_seed_gives_the_same_tokens_alone_and_in_a_batch_of_16(llm: LLM) -> None:
     seeded = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=1234, max_tokens=6, ignore_eos=True)
     alone = llm.generate(PROMPT, seeded)[0].token_ids
