@@ -60,7 +60,7 @@ def test_dequantize_t(bits: int) -> None:
 
 
 @pytest.mark.parametrize("m,n,k,group", [(1, 96, 576, 128), (1, 300, 1536, 32), (1, 64, 4096, 64), (4, 64, 1024, 128),
-                                         (16, 130, 512, 128), (7, 200, 1152, 128)])
+                                         (16, 130, 512, 128), (7, 200, 1152, 128), (29, 64, 512, 128), (64, 96, 256, 128)])
 def test_gemv_w4(m: int, n: int, k: int, group: int) -> None:
     """The fp16x2 4-bit kernel (on the GPU its PTX path) against the reference, poisoned outputs."""
     qweight, scales, mins = random_packed(n, k, 4, group, seed=n + m)

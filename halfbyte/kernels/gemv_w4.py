@@ -1,4 +1,4 @@
-"""4-bit weight-streaming matmul for 1-16 fp16 rows (decode), dequantizing with fp16x2 bit tricks.
+"""4-bit weight-streaming matmul for 1-64 fp16 rows (decode), dequantizing with fp16x2 bit tricks.
 
 Why a separate kernel: at 4 bits the generic kernel (quant_gemv.py) spends ~5 integer/float
 instructions per weight (shift, mask, or, subtract, FMA), more than the SMs issue while the
@@ -166,7 +166,7 @@ if HAS_TRITON:
         x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         M, N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
-        USE_ASM: tl.constexpr, WEIGHT_A: tl.constexpr,
+        USE_ASM: tl.constexpr, WEIGHT_A: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
         # BLOCK_KW * 8 divides GROUP: one group per tile, scales applied after the dots.
         # WEIGHT_A: the weight tile is tl.dot's first operand (out^T = W x^T), which Hopper's MMA can
@@ -175,23 +175,23 @@ if HAS_TRITON:
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = rn < N
-        rm = tl.arange(0, 16)
+        rm = tl.arange(0, BLOCK_M)
         m_mask = rm < M
         rw = tl.arange(0, BLOCK_KW)
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         if WEIGHT_A:
-            acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
-            acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_KW * 8):
             w_row = k0 // 8 + rw
             row_ok = w_row * 8 < k_end
-            if WEIGHT_A:  # words [BLOCK_N, KW], x^T [KW, 16]: x[m, 8r]
+            if WEIGHT_A:  # words [BLOCK_N, KW], x^T [KW, BLOCK_M]: x[m, 8r]
                 words = tl.load(qw_ptr + (w_row * N)[None, :] + rn[:, None], mask=row_ok[None, :] & n_mask[:, None], other=0)
                 x_base = x_ptr + rm[None, :] * K + (w_row * 8)[:, None]
                 x_mask = m_mask[None, :] & row_ok[:, None]
-            else:  # words [KW, BLOCK_N], x [16, KW]
+            else:  # words [KW, BLOCK_N], x [BLOCK_M, KW]
                 words = tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=row_ok[:, None] & n_mask[None, :], other=0)
                 x_base = x_ptr + rm[:, None] * K + (w_row * 8)[None, :]
                 x_mask = m_mask[:, None] & row_ok[None, :]
@@ -205,7 +205,7 @@ if HAS_TRITON:
                 q0, q1, q2, q3 = _nibble(uw, 0), _nibble(uw, 1), _nibble(uw, 2), _nibble(uw, 3)
                 q4, q5, q6, q7 = _nibble(uw, 4), _nibble(uw, 5), _nibble(uw, 6), _nibble(uw, 7)
             d = tl.zeros(acc.shape, dtype=tl.float32)
-            xs = tl.zeros([16], dtype=tl.float32)
+            xs = tl.zeros([BLOCK_M], dtype=tl.float32)
             d, xs = _dot_acc(d, xs, q0, x_base, x_mask, 0, WEIGHT_A)
             d, xs = _dot_acc(d, xs, q1, x_base, x_mask, 1, WEIGHT_A)
             d, xs = _dot_acc(d, xs, q2, x_base, x_mask, 2, WEIGHT_A)
@@ -245,12 +245,15 @@ def _use_asm() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
+MAX_ROWS = 64  # a decode batch: the weight is still read once, the dot work grows with M
+
+
 def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
     """Whether gemv_w4 handles this call: 4 bits, fp16 rows (4-byte aligned: x is read as half2
     pairs), K in whole words, and for more than one row groups that hold whole 128-k tiles."""
     m, k = x.shape
     return (
-        bits == 4 and x.dtype == torch.float16 and m <= 16 and k % 8 == 0 and x.data_ptr() % 4 == 0
+        bits == 4 and x.dtype == torch.float16 and m <= MAX_ROWS and k % 8 == 0 and x.data_ptr() % 4 == 0
         and (m == 1 or group_size % 128 == 0)
     )
 
@@ -260,7 +263,7 @@ def gemv_w4(
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, weight_a: bool = True,
 ) -> torch.Tensor:
-    """x [M <= 16, K] fp16 -> [M, N] fp16."""
+    """x [M <= 64, K] fp16 -> [M, N] fp16."""
     m, k = x.shape
     assert supports(x, 4, group_size), (x.shape, x.dtype, group_size)
     n = qweight.shape[1]
@@ -296,5 +299,8 @@ def gemv_w4(
     if m == 1:
         _gemv_w4_m1_kernel[(col_blocks, split_k)](*args, n, k, k_per_split, **common)
     else:
-        _gemv_w4_mn_kernel[(col_blocks, split_k)](*args, m, n, k, k_per_split, WEIGHT_A=weight_a, **common)
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        _gemv_w4_mn_kernel[(col_blocks, split_k)](
+            *args, m, n, k, k_per_split, WEIGHT_A=weight_a, BLOCK_M=block_m, **common
+        )
     return out

@@ -154,7 +154,7 @@ def quant_matmul(
     compares against the generic one), tiles for mid-sized M, dequantize + cuBLAS for prefill."""
     if use_triton(x):
         m = x.shape[0]
-        if m <= 16 and gemv_w4.supports(x, bits, group_size) and os.environ.get("HALFBYTE_W4_KERNEL") != "generic":
+        if gemv_w4.supports(x, bits, group_size) and os.environ.get("HALFBYTE_W4_KERNEL") != "generic":
             return gemv_w4.gemv_w4(x, qweight, scales, mins, group_size)
         if m <= 16 and 32 % bits == 0:
             return gemv_triton(x, qweight, scales, mins, bits, group_size)
