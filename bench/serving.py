@@ -219,7 +219,9 @@ def main() -> None:
     args.itl_output = min(args.itl_output, args.long_prompt)  # enough to outlast the prefill
     max_len = max(args.long_prompt, args.prefix_len, args.prompt_max, args.decode_prompt) + max(args.output_max, args.decode_output) + 64
     config = EngineConfig(max_model_len=max_len, max_batch_tokens=args.max_batch_tokens,
-                          max_num_seqs=max(args.max_num_seqs, args.decode_requests), kv_cache_tokens=args.kv_cache_tokens)
+                          max_num_seqs=max(args.max_num_seqs, args.decode_requests),
+                          # CPU: room for the shared prefix to survive the uncached request between
+                          kv_cache_tokens=args.kv_cache_tokens or (None if args.device.startswith("cuda") else 4 * max_len))
     if args.device.startswith("cuda"):
         engine = random_engine(args.shape, args.bits, config)
         label = f"{args.shape} {args.bits}-bit random, {torch.cuda.get_device_name()}"
