@@ -173,11 +173,11 @@ def main() -> None:
     ref_ppl = float(rows[0]["perplexity"])  # type: ignore[arg-type]
     print(f"\n{'method':<16}{'budget':>8}{'bpw':>8}{'ppl':>10}{'Δppl':>9}{'KL':>10}{'top-1':>8}")
     for r in rows:
-        budget = f"{r['budget']:.2f}" if "budget" in r else "-"
+        budget_s = f"{r['budget']:.2f}" if "budget" in r else "-"
         kl = f"{r['kl']:.4f}" if "kl" in r else "-"
         top1 = f"{r['top1']:.3f}" if "top1" in r else "-"
         d = (float(r["perplexity"]) / ref_ppl - 1) * 100  # type: ignore[arg-type]
-        print(f"{r['method']:<16}{budget:>8}{float(r['bpw']):>8.3f}{float(r['perplexity']):>10.3f}{d:>+8.1f}%{kl:>10}{top1:>8}")  # type: ignore[arg-type]
+        print(f"{r['method']:<16}{budget_s:>8}{float(r['bpw']):>8.3f}{float(r['perplexity']):>10.3f}{d:>+8.1f}%{kl:>10}{top1:>8}")  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
