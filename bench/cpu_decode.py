@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,16 +21,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from halfbyte import LLM, SamplingParams  # noqa: E402
-from halfbyte.io.default_model import default_gguf_path, ensure_default_model, halfbyte_home  # noqa: E402
+from halfbyte.io.default_model import default_gguf_path, ensure_default_model  # noqa: E402
+from halfbyte.quant.import_checkpoint import convert_if_foreign  # noqa: E402
 
 
 def default_quantized_dir() -> Path:
-    """The default GGUF imported with its Q4_1 weights kept (bit-exact), made once."""
-    out = halfbyte_home() / "models" / "SmolLM2-135M-Instruct-Q4_1"
-    if not (out / "config.json").exists():
-        ensure_default_model(fetch=True)
-        subprocess.run([sys.executable, "-m", "halfbyte.cli", "import", str(default_gguf_path()), str(out)], check=True)
-    return out
+    """The default GGUF imported with its Q4_1 weights kept (bit-exact), made once (cached)."""
+    ensure_default_model(fetch=True)
+    return convert_if_foreign(default_gguf_path())
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from halfbyte.kernels.quant_gemv import _counter_buffer, _write_out
+from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
 from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
 
 # q - 8 for the 8 nibbles of a word as 4 half2 registers: pairs (0,4) (1,5) (2,6) (3,7).
@@ -75,6 +75,11 @@ if HAS_TRITON:
     # jit functions read module globals only as constexprs
     DOT8_ASM = tl.constexpr(_DOT8_ASM)
     UNPACK8_ASM = tl.constexpr(_UNPACK8_ASM)
+
+    @triton.jit
+    def _nibble(uw, j: tl.constexpr):
+        """Value j of each word as q - 8 in fp16 (exact): the plain-Triton twin of the PTX unpack."""
+        return (((uw >> (4 * j)) & 15).to(tl.float32) - 8.0).to(tl.float16)
 
     @triton.jit
     def _x_pairs(x_ptr, w_row, row_ok):
@@ -130,7 +135,7 @@ if HAS_TRITON:
                 dots = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
                 for j in tl.static_range(8):
                     xj = tl.load(x_ptr + w_row * 8 + j, mask=row_ok, other=0.0).to(tl.float32)
-                    dots += (((uw >> (4 * j)) & 15).to(tl.float32) - 8.0) * xj[:, None]
+                    dots += _nibble(uw, j).to(tl.float32) * xj[:, None]
             if GROUP % BLOCK_K == 0:  # the whole tile is in one group: one scale row
                 g = k0 // GROUP
                 s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
@@ -144,10 +149,6 @@ if HAS_TRITON:
                 acc += dots * s + xs[:, None] * m
         total = tl.sum(acc, axis=0)[None, :]
         _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K)
-
-    @triton.jit
-    def _nibble(uw, j: tl.constexpr):
-        return (((uw >> (4 * j)) & 15).to(tl.float32) - 8.0).to(tl.float16)
 
     @triton.jit
     def _dot_acc(d, xs, q, x_base, x_mask, j: tl.constexpr, WEIGHT_A: tl.constexpr):
@@ -284,15 +285,8 @@ def gemv_w4(
         if group_size % (block_kw * 8):
             raise ValueError(f"block_kw {block_kw} must tile group {group_size}")
     num_stages = num_stages or 2
-    block_k = block_kw * 8
     col_blocks = triton.cdiv(n, block_n)
-    if split_k is None:  # about two waves of programs on 132 SMs
-        split_k = max(1, min(triton.cdiv(k, block_k), 264 // col_blocks, 16))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    counters = _counter_buffer(x.device, col_blocks)
+    split_k, k_per_split, out, partial, counters = split_k_launch(x, n, block_kw * 8, col_blocks, split_k)
     args = (x, qweight, scales, mins, out, partial, counters)
     common = dict(GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, USE_ASM=_use_asm(),
                   num_warps=num_warps, num_stages=num_stages)

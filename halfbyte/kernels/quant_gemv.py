@@ -125,6 +125,21 @@ if HAS_TRITON:
         _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n, pid_k, SPLIT_K)
 
 
+def split_k_launch(
+    x: torch.Tensor, n: int, block_k: int, col_blocks: int, split_k: int | None
+) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K split for a weight-streaming launch (default: about two waves of programs on 132 SMs),
+    each split a whole number of tiles: (split_k, k_per_split, out, fp32 partials, counters)."""
+    m, k = x.shape
+    if split_k is None:
+        split_k = max(1, min(triton.cdiv(k, block_k), 264 // col_blocks, 16))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    return split_k, k_per_split, out, partial, _counter_buffer(x.device, col_blocks)
+
+
 def gemv_triton(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
@@ -146,16 +161,9 @@ def gemv_triton(
         num_stages = num_stages or 2
         if split_k is None and n >= 16384:  # gate_up-sized: more, shorter K runs in flight
             split_k = 8
-    block_k = block_kw * (32 // bits)
     col_blocks = triton.cdiv(n, block_n)
-    if split_k is None:  # about two waves of programs on 132 SMs
-        split_k = max(1, min(triton.cdiv(k, block_k), 264 // col_blocks, 16))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
+    split_k, k_per_split, out, partial, counters = split_k_launch(x, n, block_kw * (32 // bits), col_blocks, split_k)
     block_m = 1 if m == 1 else 16
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    counters = _counter_buffer(x.device, col_blocks)
     _gemv_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, m, n, k, k_per_split,
         BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
