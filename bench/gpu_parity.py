@@ -35,6 +35,40 @@ def compare(ref: torch.Tensor, out: torch.Tensor) -> dict[str, float]:
                 mean_kl=kl.mean().item(), max_kl=kl.max().item())
 
 
+def batch_equality(model_dir: Path, device: str, requests: int, max_tokens: int) -> dict[str, int]:
+    """Issue 5: `requests` prompts of mixed lengths run together (chunked prefill, prefix cache,
+    continuous batching) against each run alone, greedy, fp16 on the device under test."""
+    from halfbyte.engine.config import EngineConfig
+    from halfbyte.engine.llm_engine import LLMEngine
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    words = "river stone lantern harbor cedar copper meadow signal orbit velvet quartz ember falcon prism".split()
+
+    def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+        out: dict[str, list[int]] = {}
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"r{i}", ids, params)
+            out[f"r{i}"] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+        return list(out.values())
+
+    batched = LLMEngine(model_dir, device=device, dtype="float16",
+                        config=EngineConfig(max_batch_tokens=256, max_num_seqs=requests, max_model_len=2048))
+    prompts = [batched.tokenizer.encode(f"Note {i}: " + " ".join(words[(i * 7 + j * (i % 5 + 1)) % len(words)]
+                                                                  for j in range(3 + (i * 37) % 300)))
+               for i in range(requests)]
+    together = run(batched, prompts)
+    del batched
+    alone_engine = LLMEngine(model_dir, device=device, dtype="float16",
+                             config=EngineConfig(enable_prefix_caching=False, max_model_len=2048))
+    alone = [run(alone_engine, [p])[0] for p in prompts]
+    firsts = [next((i for i, (a, b) in enumerate(zip(t, s)) if a != b), len(t)) for t, s in zip(together, alone)]
+    return dict(requests=requests, identical_requests=sum(t == s for t, s in zip(together, alone)),
+                tokens=sum(len(t) for t in together), identical_tokens=sum(firsts))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -42,6 +76,7 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=1000)
     ap.add_argument("--gen-tokens", type=int, default=48)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--batch-requests", type=int, default=32)
     ap.add_argument("--device", default="cuda", help="the device under test (cpu: a dry run of this script)")
     args = ap.parse_args()
     model_dir = Path(args.model)
@@ -72,6 +107,7 @@ def main() -> None:
             texts[key] = llm.chat([prompt], params)[0].token_ids
     same = next((i for i, (a, b) in enumerate(zip(texts["ref"], texts["test"])) if a != b), len(texts["ref"]))
     result["greedy_generation"] = dict(tokens=len(texts["ref"]), identical_prefix=same)
+    result["batch_equality"] = batch_equality(model_dir, args.device, args.batch_requests, args.gen_tokens)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"\n{args.model}: {len(ids)} teacher-forced positions, CPU fp32 vs {result['device']} fp16")
@@ -79,6 +115,9 @@ def main() -> None:
         r = result[name]
         print(f"{name:<14} top-1 {100 * r['top1']:.2f}%  mean KL {r['mean_kl']:.2e}  max KL {r['max_kl']:.2e}")  # type: ignore[index]
     print(f"greedy generation: first {same} of {len(texts['ref'])} tokens identical")
+    b = result["batch_equality"]
+    print(f"{b['requests']} mixed requests batched vs alone on {args.device}: {b['identical_requests']} identical, "
+          f"{b['identical_tokens']}/{b['tokens']} tokens before the first difference")  # type: ignore[index]
 
 
 if __name__ == "__main__":
