@@ -72,6 +72,40 @@ def time_decode(model, pool, decoder, context: int, steps: int, use_graph: bool,
     return steps / elapsed
 
 
+def profile_batch(model, batch: int, context: int, steps: int = 3) -> None:  # type: ignore[no-untyped-def]
+    """GPU time by kernel of eager decode steps for `batch` sequences at `context` tokens each
+    (issue 5's batch-64 case), and the graphed step time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = model.device
+    per_seq = -(-(context + steps + 8) // PAGE)
+    pool = PagePool(model.cfg, batch * per_seq + 1, PAGE, torch.float16, dev)
+    tables = torch.arange(batch * per_seq, dtype=torch.int32, device=dev).view(batch, per_seq)
+    token = torch.randint(0, model.cfg.vocab_size, (batch,), device=dev)
+    pos = torch.full((batch,), context, dtype=torch.int64, device=dev)
+    slot = tables[:, context // PAGE].long() * PAGE + context % PAGE
+    seq_lens = torch.full((batch,), context + 1, dtype=torch.int32, device=dev)
+    meta = AttentionMetadata(list(range(batch + 1)), [context + 1] * batch, tables, slot, seq_lens)
+    model.compute_logits(model(token, pos, pool.kv_caches, meta))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model.compute_logits(model(token, pos, pool.kv_caches, meta))
+        torch.cuda.synchronize()
+    print(f"GPU time of {steps} eager decode steps, batch {batch} at context {context}:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+    decoder = CudaGraphDecoder(model, pool.kv_caches, batch, context + steps + 8, scratch_page=pool.num_pages - 1)
+    for _ in range(3):
+        decoder.run(token, pos, slot, tables, seq_lens)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        decoder.run(token, pos, slot, tables, seq_lens)
+    torch.cuda.synchronize()
+    print(f"graphed decode step, batch {batch} at context {context}: {(time.perf_counter() - t) / 20 * 1e3:.2f} ms")
+    del decoder, pool
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama3-8b")
@@ -80,11 +114,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="print where prefill and eager decode spend GPU time")
+    ap.add_argument("--profile-batch", type=int, default=0, help="only profile eager decode at this batch size")
+    ap.add_argument("--context", type=int, default=512, help="context of --profile-batch")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # GPU.md: cuDNN SDPA costs ~2 ms of CPU per call
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = random_model(args.shape, args.bits, args.group, torch.float16, dev)
+    if args.profile_batch:
+        with torch.inference_mode():
+            profile_batch(model, args.profile_batch, args.context)
+        return
     weights_gb = sum(b.numel() * b.element_size() for b in model.buffers()) / 1e9
     dense_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     max_len = 2048 + args.steps + 64

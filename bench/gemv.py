@@ -133,6 +133,9 @@ def main() -> None:
             if best1 is None or best16 is None:
                 raise SystemExit(f"{name}: every gemv_w4 config failed (see stderr)")
             (cfg, w1, e1), (cfg16, w16, e16) = best1, best16
+            x64 = torch.randn(64, k, device="cuda", dtype=torch.float16)
+            best64 = pick(new, [{}], x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
+            row["w4_t64_us"] = best64[1] * 1e6 if best64 else float("nan")
             row.update(w4_t1_us=w1 * 1e6, w4_pct_copy=100 * nbytes / w1 / 1e9 / copy_gbs,
                        w4_gbs=nbytes / w1 / 1e9, w4_pct_4161=100 * nbytes / w1 / 1e9 / GPU_MD_COPY_GBS, w4_t16_us=w16 * 1e6,
                        w4_t16_over_t1=w16 / w1, w4_rel_err=max(e1, e16), w4_config=cfg, w4_config16=cfg16)
@@ -147,11 +150,11 @@ def main() -> None:
     print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s; {args.bits}-bit g{args.group}; {result['device']}")
     print(f"(%copy: of this run's copy; %4161: of GPU.md's {GPU_MD_COPY_GBS:.0f} GB/s)")
     print(f"{'shape':<12}{'us b1':>8}{'%copy':>7}{'b16/b1':>8}{'w4 us b1':>10}{'w4 %copy':>10}{'%4161':>7}{'w4 b16/b1':>10}"
-          f"{'fp16 us':>9}  w4 config b1 | b16")
+          f"{'w4 b64 us':>10}{'fp16 us':>9}  w4 config b1 | b16")
     for r in rows:
         w4 = (f"{r['w4_t1_us']:>10.1f}{r['w4_pct_copy']:>10.1f}{r['w4_pct_4161']:>7.1f}{r['w4_t16_over_t1']:>10.2f}"
               if "w4_t1_us" in r else f"{'-':>10}{'-':>10}{'-':>7}{'-':>10}")
-        print(f"{r['shape']:<12}{r['t1_us']:>8.1f}{r['pct_copy']:>7.1f}{r['t16_over_t1']:>8.2f}{w4}"
+        print(f"{r['shape']:<12}{r['t1_us']:>8.1f}{r['pct_copy']:>7.1f}{r['t16_over_t1']:>8.2f}{w4}{r.get('w4_t64_us', 0):>10.1f}"
               f"{r['fp16_linear_us']:>9.1f}  {r.get('w4_config')} | {r.get('w4_config16')}")
 
 

@@ -26,9 +26,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 step_tests() {  # natively here; CI runs the same tests in Triton's interpreter
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_*.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
 }
+# the two GGUF halves travel in two calls (64 MiB each); the first half waits in /tmp, which
+# outlives a call on a warm machine (a carried folder not named again does not)
+[ -f .gguf_a/part ] && cp .gguf_a/part /tmp/halfbyte_gguf_a
 step_parity() {
-  if [ -f .gguf_a/part ] && [ -f .gguf_b/part ]; then
-    cat .gguf_a/part .gguf_b/part > /tmp/smollm2.gguf
+  if [ -f /tmp/halfbyte_gguf_a ] && [ -f .gguf_b/part ]; then
+    cat /tmp/halfbyte_gguf_a .gguf_b/part > /tmp/smollm2.gguf
     timeout 300 python3 bench/gpu_parity.py --model /tmp/smollm2.gguf --json "$OUT/parity.json" 2>&1 | tail -5
   else
     echo "parity: NOT RUN (the GGUF parts are not both here)"
@@ -36,6 +39,9 @@ step_parity() {
 }
 step_decode() {
   timeout 150 python3 bench/decode.py --shape llama3-8b --json "$OUT/decode_8b.json" 2>&1 | tail -5
+}
+step_profile64() {
+  timeout 150 python3 bench/decode.py --shape llama3-8b --profile-batch 64 --context 512 2>&1 | tail -24
 }
 step_gemv() {
   timeout 200 python3 bench/gemv.py --json "$OUT/gemv.json" ${GEMV_ARGS:-} 2>"$OUT/gemv.err" | tail -11

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="this torch has
 
 @pytest.mark.parametrize("m,n,k,group", [(1, 96, 576, 32), (3, 960, 576, 32), (2, 64, 1024, 128), (5, 48, 512, 64)])
 def test_int4_matmul_cpu_matches_reference(m: int, n: int, k: int, group: int) -> None:
-    qweight, scales, mins = random_packed(n, k, 4, group, seed=n + k)
+    qweight, scales, mins = (t.cpu() for t in random_packed(n, k, 4, group, seed=n + k))  # a CPU kernel
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + n))
     ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
     out = cpu_int4.int4_matmul_cpu(x, cpu_int4.pack_for_cpu(qweight, scales, mins, group, k))
@@ -41,7 +41,7 @@ def test_supports_only_what_the_kernel_takes() -> None:
 
 def test_quant_linear_bf16_on_cpu_uses_the_int4_kernel() -> None:
     n, k, group = 64, 256, 32
-    qweight, scales, mins = random_packed(n, k, 4, group, seed=7)
+    qweight, scales, mins = (t.cpu() for t in random_packed(n, k, 4, group, seed=7))
     weight = QuantWeight(n, k, [QuantSlice(0, k, 4, group, qweight, scales, mins)], None)
     layer = QuantLinear(weight, None, torch.bfloat16)
     layer.prepare_for_inference(torch.device("cpu"))
