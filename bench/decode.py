@@ -94,6 +94,13 @@ def profile_batch(model, batch: int, context: int, steps: int = 3) -> None:  # t
         torch.cuda.synchronize()
     print(f"GPU time of {steps} eager decode steps, batch {batch} at context {context}:")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+    one = AttentionMetadata([0, 1], [context + 1], tables[:1], slot[:1], seq_lens[:1])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # host cost of an eager step
+        for _ in range(steps):
+            model.compute_logits(model(token[:1], pos[:1], pool.kv_caches, one))
+        torch.cuda.synchronize()
+    print(f"host time of {steps} eager batch-1 decode steps (self CPU):")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16))
     decoder = CudaGraphDecoder(model, pool.kv_caches, batch, context + steps + 8, scratch_page=pool.num_pages - 1)
     for _ in range(3):
         decoder.run(token, pos, slot, tables, seq_lens)

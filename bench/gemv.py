@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--sweep", action="store_true", help="try tile / split / warp settings per shape")
+    ap.add_argument("--sweep64", action="store_true", help="sweep only the 64-row settings")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -134,8 +135,15 @@ def main() -> None:
                 raise SystemExit(f"{name}: every gemv_w4 config failed (see stderr)")
             (cfg, w1, e1), (cfg16, w16, e16) = best1, best16
             x64 = torch.randn(64, k, device="cuda", dtype=torch.float16)
-            best64 = pick(new, [{}], x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
+            grid64 = [{}]
+            if args.sweep or args.sweep64:
+                grid64 += [dict(block_n=bn, num_warps=w, num_stages=st, split_k=sk)
+                           for bn, w, st, sk in itertools.product((64, 128, 256), (4, 8), (2, 3), (None, 4))]
+            best64 = pick(new, grid64, x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
             row["w4_t64_us"] = best64[1] * 1e6 if best64 else float("nan")
+            row["w4_config64"] = best64[0] if best64 else None
+            row["w4_t64_default_us"] = (pick(new, [{}], x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
+                                        or (None, float("nan")))[1] * 1e6
             row.update(w4_t1_us=w1 * 1e6, w4_pct_copy=100 * nbytes / w1 / 1e9 / copy_gbs,
                        w4_gbs=nbytes / w1 / 1e9, w4_pct_4161=100 * nbytes / w1 / 1e9 / GPU_MD_COPY_GBS, w4_t16_us=w16 * 1e6,
                        w4_t16_over_t1=w16 / w1, w4_rel_err=max(e1, e16), w4_config=cfg, w4_config16=cfg16)
@@ -155,7 +163,7 @@ def main() -> None:
         w4 = (f"{r['w4_t1_us']:>10.1f}{r['w4_pct_copy']:>10.1f}{r['w4_pct_4161']:>7.1f}{r['w4_t16_over_t1']:>10.2f}"
               if "w4_t1_us" in r else f"{'-':>10}{'-':>10}{'-':>7}{'-':>10}")
         print(f"{r['shape']:<12}{r['t1_us']:>8.1f}{r['pct_copy']:>7.1f}{r['t16_over_t1']:>8.2f}{w4}{r.get('w4_t64_us', 0):>10.1f}"
-              f"{r['fp16_linear_us']:>9.1f}  {r.get('w4_config')} | {r.get('w4_config16')}")
+              f"{r['fp16_linear_us']:>9.1f}  {r.get('w4_config')} | {r.get('w4_config16')} | {r.get('w4_config64')}")
 
 
 if __name__ == "__main__":

@@ -43,8 +43,11 @@ step_decode() {
 step_profile64() {
   timeout 150 python3 bench/decode.py --shape llama3-8b --profile-batch 64 --context 512 2>&1 | tail -24
 }
+step_attention() {
+  timeout 120 python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tail -4
+}
 step_gemv() {
-  timeout 200 python3 bench/gemv.py --json "$OUT/gemv.json" ${GEMV_ARGS:-} 2>"$OUT/gemv.err" | tail -11
+  timeout 300 python3 bench/gemv.py --json "$OUT/gemv.json" ${GEMV_ARGS:-} 2>"$OUT/gemv.err" | tail -11
 }
 step_sampling() {
   timeout 120 python3 bench/sampling.py --json "$OUT/sampling.json" 2>&1 | tail -6
