@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--sweep", action="store_true", help="try tile / split / warp settings per shape")
+    ap.add_argument("--sweep16", action="store_true", help="sweep only the 16-row settings")
     ap.add_argument("--sweep64", action="store_true", help="sweep only the 64-row settings")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
@@ -130,6 +131,9 @@ def main() -> None:
                                 for bn, kw, sk, st in itertools.product((64, 128), (32, 64), (None, 16), (2, 4))]
                 grid16 = [{}] + [dict(block_n=bn, num_warps=w, num_stages=st, split_k=sk)
                                  for bn, w, st, sk in itertools.product((128, 256), (4, 8), (3, 4), (None, 8))]
+            if args.sweep16:
+                grid16 = [{}] + [dict(block_n=bn, num_warps=w, num_stages=3, split_k=sk, one_dot=od)
+                                 for bn, w, sk, od in itertools.product((128, 256), (4, 8), (None, 4), (False, True))]
             best1, best16 = pick(new, grid1, x1, ref1), pick(new, grid16, x16, ref16)
             if best1 is None or best16 is None:
                 raise SystemExit(f"{name}: every gemv_w4 config failed (see stderr)")
@@ -137,8 +141,8 @@ def main() -> None:
             x64 = torch.randn(64, k, device="cuda", dtype=torch.float16)
             grid64 = [{}]
             if args.sweep or args.sweep64:
-                grid64 += [dict(block_n=bn, num_warps=w, num_stages=st, split_k=sk)
-                           for bn, w, st, sk in itertools.product((64, 128, 256), (4, 8), (2, 3), (None, 4))]
+                grid64 += [dict(block_n=bn, num_warps=w, num_stages=st, split_k=sk, one_dot=od)
+                           for bn, w, st, sk, od in itertools.product((128, 256), (4, 8), (3,), (None, 4), (False, True))]
             best64 = pick(new, grid64, x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
             row["w4_t64_us"] = best64[1] * 1e6 if best64 else float("nan")
             row["w4_config64"] = best64[0] if best64 else None

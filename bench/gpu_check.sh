@@ -41,7 +41,8 @@ step_decode() {
   timeout 150 python3 bench/decode.py --shape llama3-8b --json "$OUT/decode_8b.json" 2>&1 | tail -5
 }
 step_profile64() {
-  timeout 150 python3 bench/decode.py --shape llama3-8b --profile-batch 64 --context 512 2>&1 | tail -24
+  timeout 150 python3 bench/decode.py --shape llama3-8b --profile-batch 64 --context 512 > "$OUT/profile64.txt" 2>&1
+  grep -E "graphed decode step|Self CUDA time total|Self CPU time total" "$OUT/profile64.txt"
 }
 step_attention() {
   timeout 120 python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tail -4

@@ -70,11 +70,11 @@ def test_gemv_w4(m: int, n: int, k: int, group: int) -> None:
     configs = ((1, 64, 8), (3, 128, 16), (None, None, None)) if m == 1 else ((1, 32, 16), (3, 64, 16), (None, None, None))
     for split_k, block_n, block_kw in configs:
         torch.empty(m, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))  # poison the allocator's next block
-        for weight_a in (False, True) if m > 1 else (False,):
+        for weight_a, one_dot in ((False, False), (True, False), (True, True)) if m > 1 else ((False, False),):
             out = gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=split_k, block_n=block_n,
-                                  block_kw=block_kw, weight_a=weight_a)
+                                  block_kw=block_kw, weight_a=weight_a, one_dot=one_dot)
             assert out.dtype == torch.float16 and out.shape == (m, n)
-            assert rel_err(out, ref) <= 1e-3, (split_k, block_n, weight_a, rel_err(out, ref))
+            assert rel_err(out, ref) <= 1e-3, (split_k, block_n, weight_a, one_dot, rel_err(out, ref))
 
 
 def test_gemv_w4_declines_what_it_cannot_do() -> None:

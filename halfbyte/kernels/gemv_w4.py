@@ -163,11 +163,26 @@ if HAS_TRITON:
         return d, xs
 
     @triton.jit
+    def _one_dot(q0, q1, q2, q3, q4, q5, q6, q7, x_ptr, rm, m_mask, K, w_row, row_ok,
+                 BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+        """The eight value planes of a word tile joined into one [BLOCK_N, 8 * BLOCK_KW] operand.
+        tl.join nests: column 8r + 4i + 2s + t holds value j = 4t + 2s + i of word r (j's bits
+        reversed); x is gathered in the same order, so the dot needs no interleave. Weight-A form only."""
+        w = tl.join(tl.join(tl.join(q0, q1), tl.join(q2, q3)), tl.join(tl.join(q4, q5), tl.join(q6, q7)))
+        w = tl.reshape(w, [BLOCK_N, 8 * BLOCK_KW])
+        lane = tl.arange(0, 8)
+        j_of_lane = (lane % 2) * 4 + ((lane // 2) % 2) * 2 + lane // 4
+        k_of_c = tl.reshape((w_row * 8)[:, None] + j_of_lane[None, :], [8 * BLOCK_KW])
+        ok = tl.reshape(tl.broadcast_to(row_ok[:, None], [BLOCK_KW, 8]), [8 * BLOCK_KW])
+        xt = tl.load(x_ptr + rm[None, :] * K + k_of_c[:, None], mask=ok[:, None] & m_mask[None, :], other=0.0)
+        return tl.dot(w, xt), tl.sum(xt.to(tl.float32), axis=0)  # [BLOCK_N, BLOCK_M], x's sums [BLOCK_M]
+
+    @triton.jit
     def _gemv_w4_mn_kernel(
         x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         M, N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
-        USE_ASM: tl.constexpr, WEIGHT_A: tl.constexpr, BLOCK_M: tl.constexpr,
+        USE_ASM: tl.constexpr, WEIGHT_A: tl.constexpr, BLOCK_M: tl.constexpr, ONE_DOT: tl.constexpr,
     ):
         # BLOCK_KW * 8 divides GROUP: one group per tile, scales applied after the dots.
         # WEIGHT_A: the weight tile is tl.dot's first operand (out^T = W x^T), which Hopper's MMA can
@@ -205,16 +220,20 @@ if HAS_TRITON:
                 uw = words.to(tl.uint32, bitcast=True)
                 q0, q1, q2, q3 = _nibble(uw, 0), _nibble(uw, 1), _nibble(uw, 2), _nibble(uw, 3)
                 q4, q5, q6, q7 = _nibble(uw, 4), _nibble(uw, 5), _nibble(uw, 6), _nibble(uw, 7)
-            d = tl.zeros(acc.shape, dtype=tl.float32)
-            xs = tl.zeros([BLOCK_M], dtype=tl.float32)
-            d, xs = _dot_acc(d, xs, q0, x_base, x_mask, 0, WEIGHT_A)
-            d, xs = _dot_acc(d, xs, q1, x_base, x_mask, 1, WEIGHT_A)
-            d, xs = _dot_acc(d, xs, q2, x_base, x_mask, 2, WEIGHT_A)
-            d, xs = _dot_acc(d, xs, q3, x_base, x_mask, 3, WEIGHT_A)
-            d, xs = _dot_acc(d, xs, q4, x_base, x_mask, 4, WEIGHT_A)
-            d, xs = _dot_acc(d, xs, q5, x_base, x_mask, 5, WEIGHT_A)
-            d, xs = _dot_acc(d, xs, q6, x_base, x_mask, 6, WEIGHT_A)
-            d, xs = _dot_acc(d, xs, q7, x_base, x_mask, 7, WEIGHT_A)
+            if ONE_DOT:  # one K = 8 * BLOCK_KW dot instead of eight K = BLOCK_KW ones
+                d, xs = _one_dot(q0, q1, q2, q3, q4, q5, q6, q7, x_ptr, rm, m_mask, K, w_row, row_ok,
+                                 BLOCK_N, BLOCK_KW)
+            else:
+                d = tl.zeros(acc.shape, dtype=tl.float32)
+                xs = tl.zeros([BLOCK_M], dtype=tl.float32)
+                d, xs = _dot_acc(d, xs, q0, x_base, x_mask, 0, WEIGHT_A)
+                d, xs = _dot_acc(d, xs, q1, x_base, x_mask, 1, WEIGHT_A)
+                d, xs = _dot_acc(d, xs, q2, x_base, x_mask, 2, WEIGHT_A)
+                d, xs = _dot_acc(d, xs, q3, x_base, x_mask, 3, WEIGHT_A)
+                d, xs = _dot_acc(d, xs, q4, x_base, x_mask, 4, WEIGHT_A)
+                d, xs = _dot_acc(d, xs, q5, x_base, x_mask, 5, WEIGHT_A)
+                d, xs = _dot_acc(d, xs, q6, x_base, x_mask, 6, WEIGHT_A)
+                d, xs = _dot_acc(d, xs, q7, x_base, x_mask, 7, WEIGHT_A)
             g = k0 // GROUP
             s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
             m = tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32) + 8.0 * s
@@ -242,6 +261,17 @@ _M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int]] = {
 }
 
 
+# More than 16 rows: (block_n, split_k or None, warps, stages) by (N, K), from the H200 64-row
+# sweep (bench/gemv.py --sweep64, 2026-12-03). 4 warps with a 256 x 64 fp32 accumulator spilled
+# registers: 4-5x slower (8B gate_up 657 us -> 136 us with 8 warps).
+_MN_TUNED: dict[tuple[int, int], tuple[int, int | None, int, int]] = {
+    (6144, 4096): (256, 4, 8, 3),  # 8B qkv
+    (4096, 4096): (128, 4, 8, 3),  # 8B o
+    (28672, 4096): (256, None, 8, 3),  # 8B gate_up
+    (4096, 14336): (256, None, 8, 3),  # 8B down
+}
+
+
 def _use_asm() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -262,7 +292,7 @@ def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
 def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, weight_a: bool = True,
+    num_warps: int | None = None, num_stages: int | None = None, weight_a: bool = True, one_dot: bool = False,
 ) -> torch.Tensor:
     """x [M <= 64, K] fp16 -> [M, N] fp16."""
     m, k = x.shape
@@ -279,9 +309,15 @@ def gemv_w4(
         split_k = split_k if split_k is not None else tuned[2]
         num_stages = num_stages or tuned[3]
         num_warps = num_warps or tuned[4]
-    else:
+    elif m <= 16:
         block_n, block_kw, num_warps = block_n or 256, block_kw or 16, num_warps or 4
         num_stages = num_stages or 3
+    else:
+        tuned_mn = _MN_TUNED.get((n, k), (128 if n <= 4096 else 256, None, 8, 3))
+        block_n, block_kw = block_n or tuned_mn[0], block_kw or 16
+        split_k = split_k if split_k is not None else tuned_mn[1]
+        num_warps, num_stages = num_warps or tuned_mn[2], num_stages or tuned_mn[3]
+    if m > 1:
         if group_size % (block_kw * 8):
             raise ValueError(f"block_kw {block_kw} must tile group {group_size}")
     num_stages = num_stages or 2
@@ -295,6 +331,6 @@ def gemv_w4(
     else:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         _gemv_w4_mn_kernel[(col_blocks, split_k)](
-            *args, m, n, k, k_per_split, WEIGHT_A=weight_a, BLOCK_M=block_m, **common
+            *args, m, n, k, k_per_split, WEIGHT_A=weight_a or one_dot, BLOCK_M=block_m, ONE_DOT=one_dot, **common
         )
     return out
