@@ -70,6 +70,11 @@ def main() -> None:
     results["decode_rel_err"] = rel_err(out[sub], paged_attention_ref(q[sub], k_cache, v_cache, meta_sub, scale))
     kv_bytes = 2 * b * ctx * args.kv_heads * d * 2
     copy_gbs = copy_bandwidth()
+    per_tile = {}
+    for ppt in (1, 2, 4, 8):  # pages per loop iteration (default: 64 tokens)
+        per_tile[ppt] = graph_time(
+            lambda ppt=ppt: decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, scale, ctx, None, ppt), reps=20)
+    results["decode_us_by_pages_per_tile"] = {k: v * 1e6 for k, v in per_tile.items()}
     t = graph_time(lambda: decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, scale, ctx), reps=20)
     results.update(copy_gbs=copy_gbs, decode_us=t * 1e6, decode_gbs=kv_bytes / t / 1e9,
                    decode_pct_copy=100 * kv_bytes / t / 1e9 / copy_gbs,
@@ -101,6 +106,7 @@ def main() -> None:
     print(f"decode  batch {b} x ctx {ctx}, page {page}: {t * 1e6:.1f} us, {kv_bytes / t / 1e9:.0f} GB/s = "
           f"{results['decode_pct_copy']:.1f}% of copy, {results['decode_pct_4161']:.1f}% of 4161; "
           f"rel err {results['decode_rel_err']:.1e}")
+    print("decode us by pages per tile: " + ", ".join(f"{k}: {v * 1e6:.1f}" for k, v in per_tile.items()))
     print(f"extend  {n_new} new over {ctx} cached: sdpa {results['extend_sdpa_us']:.0f} us, "
           f"triton {results.get('extend_triton_us', float('nan')):.0f} us "
           f"(rel err {results.get('extend_triton_rel_err', float('nan')):.1e}) {results.get('extend_triton_error', '')}")

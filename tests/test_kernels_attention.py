@@ -41,6 +41,8 @@ def test_decode_attention(seq_lens, hq, hkv, d, page, splits, dtype) -> None:  #
     scale = d**-0.5
     ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out = decode_attention_triton(q, k_cache, v_cache, meta.block_tables, seq_lens_t, scale, max(seq_lens), splits)
-    assert not out.isnan().any()
-    assert rel_err(out, ref) <= (1e-3 if dtype == torch.float16 else 4e-3)
+    for pages_per_tile in (None, 1, 2):  # default (64-token tiles, straddling splits of 3 pages), one, two
+        out = decode_attention_triton(q, k_cache, v_cache, meta.block_tables, seq_lens_t, scale, max(seq_lens),
+                                      splits, pages_per_tile)
+        assert not out.isnan().any()
+        assert rel_err(out, ref) <= (1e-3 if dtype == torch.float16 else 4e-3), pages_per_tile

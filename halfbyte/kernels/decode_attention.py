@@ -18,6 +18,7 @@ if HAS_TRITON:
         stride_qb, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
         scale, pages_per_split, num_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+        PAGES_PER_TILE: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         kh = tl.program_id(1)
@@ -29,16 +30,18 @@ if HAS_TRITON:
 
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
-        t = tl.arange(0, PAGE)
+        TILE: tl.constexpr = PAGE * PAGES_PER_TILE  # tokens per iteration: more bytes in flight
+        t = tl.arange(0, TILE)
         heads = kh * GROUP + g
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        for p in range(first, last):
-            page = tl.load(block_table_ptr + b * stride_bt + p).to(tl.int64)
-            valid = p * PAGE + t < seq_len
-            offs = page * stride_cp + t[:, None] * stride_cs + kh * stride_ch + d[None, :]
+        for p in range(first, last, PAGES_PER_TILE):
+            pages = p + t // PAGE  # the page of each token of the tile
+            valid = (p * PAGE + t < seq_len) & (pages < last)
+            page = tl.load(block_table_ptr + b * stride_bt + pages, mask=valid, other=0).to(tl.int64)
+            offs = page[:, None] * stride_cp + (t % PAGE)[:, None] * stride_cs + kh * stride_ch + d[None, :]
             k = tl.load(kc_ptr + offs, mask=valid[:, None], other=0.0)
             v = tl.load(vc_ptr + offs, mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, PAGE] fp32
@@ -86,6 +89,7 @@ def decode_attention_triton(
     scale: float,
     max_seq_len: int,
     num_splits: int | None = None,
+    pages_per_tile: int | None = None,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -100,6 +104,7 @@ def decode_attention_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale, pages_per_split, splits,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page_size,
+        PAGES_PER_TILE=pages_per_tile or max(1, 64 // page_size),
         num_warps=4, num_stages=2,
     )
     out = torch.empty_like(q)
