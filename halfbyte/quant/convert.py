@@ -26,46 +26,36 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 
-from halfbyte.errors import CorruptFileError, HalfbyteError
+from halfbyte.errors import HalfbyteError
 from halfbyte.io.model_dir import read_json, resolve_model_dir
-from halfbyte.io.safetensors_files import safetensors_files
-from halfbyte.kernels.activation import silu_and_mul
-from halfbyte.kernels.attention import AttentionMetadata
 from halfbyte.kernels.rms_norm import rms_norm
 from halfbyte.model.config import ModelConfig
-from halfbyte.model.llama import Attention
 from halfbyte.model.rope import RotaryEmbedding
 from halfbyte.quant import calibration
-from halfbyte.quant.gptq import HessianAccumulator
-from halfbyte.quant.measure import Candidate, allocate, default_candidates, measure_candidates, quantize_candidate, storage_bits
+from halfbyte.quant.block_error import measure_layer
+from halfbyte.quant.convert_state import (
+    _atomic_json, _atomic_tensors, _fingerprint, _load_stream, _save_stream, STATE_VERSION,
+)
+from halfbyte.quant.layer_forward import (  # noqa: F401  (re-exported for bench/ and tests)
+    UNITS, LayerWeights, TensorSource, _hessian, _unit_shapes, read_layer, run_layer,
+)
+from halfbyte.quant.measure import Candidate, allocate, default_candidates, quantize_candidate, storage_bits
 from halfbyte.quant.packing import SUPPORTED_BITS
 from halfbyte.quant.qtensor import ALLOWED_GROUP_SIZES, FORMAT_VERSION, QuantWeight
 
-UNITS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-_PARTS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
-_STATE_VERSION = 1
 # files besides the weights and config that a model directory carries over (plus tokenizer*)
 _COPIED = ("generation_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
-_PAGE = 16
-_ROWS = 4096  # tokens per chunk of the big per-token matmuls (bounds [rows, 2 * intermediate])
 
 
 class ConversionError(HalfbyteError):
@@ -87,7 +77,7 @@ class ConvertOptions:
     sample_prompts: int = 32
     sample_tokens: int = 160
     damp: float = 0.01
-    measure_rows: int = 128  # rows sampled per matrix in the measurement pass
+    measure_tokens: int = 1024  # calibration tokens (whole windows) each candidate's block error is measured on
     show_progress: bool = True
     candidates: tuple[Candidate, ...] | None = None  # None: measure.default_candidates(group_size)
     measure_cache: str | Path | None = None  # reuse calibration + measurement across budgets
@@ -116,236 +106,7 @@ class ConvertResult:
     errors: dict[str, float]  # matrix prefix -> relative error of the final quantization
 
 
-# --- checkpoint access ------------------------------------------------------------------------
-
-
-class TensorSource:
-    """Single tensors of a (sharded) safetensors checkpoint. Every read opens and closes its
-    file: no mapping of the whole checkpoint stays resident while layers are processed."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.where: dict[str, Path] = {}
-        for path in safetensors_files(model_dir):
-            with self._open(path) as f:
-                for name in f.keys():
-                    self.where[name] = path
-
-    @staticmethod
-    def _open(path: Path) -> Any:
-        try:
-            return safe_open(str(path), framework="pt")
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise CorruptFileError(f"{path} is truncated or corrupt ({str(e).splitlines()[0]})") from None
-
-    def has(self, name: str) -> bool:
-        return name in self.where
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.where:
-            raise CorruptFileError(f"checkpoint lacks tensor {name!r}")
-        try:
-            with self._open(self.where[name]) as f:
-                return f.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise CorruptFileError(f"{self.where[name]} is truncated or corrupt ({str(e).splitlines()[0]})") from None
-
-    def get_optional(self, name: str) -> torch.Tensor | None:
-        return self.get(name) if self.has(name) else None
-
-
-@dataclass
-class LayerWeights:
-    """One decoder layer: fused fp32 matrices and biases, norms in the checkpoint's dtype."""
-
-    matrices: dict[str, torch.Tensor]  # unit -> [N, K] fp32
-    biases: dict[str, torch.Tensor | None]
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-
-
-def read_layer(src: TensorSource, i: int) -> LayerWeights:
-    base = f"model.layers.{i}"
-    matrices: dict[str, torch.Tensor] = {}
-    biases: dict[str, torch.Tensor | None] = {}
-    for unit, parts in _PARTS.items():
-        matrices[unit] = torch.cat([src.get(f"{base}.{p}.weight").float() for p in parts])
-        bs = [src.get_optional(f"{base}.{p}.bias") for p in parts]
-        biases[unit] = torch.cat(bs) if all(b is not None for b in bs) else None  # type: ignore[misc]
-    return LayerWeights(
-        matrices, biases, src.get(f"{base}.input_layernorm.weight"), src.get(f"{base}.post_attention_layernorm.weight")
-    )
-
-
-# --- one decoder layer over the calibration tokens ---------------------------------------------
-
-
-def _hessian(x: torch.Tensor) -> torch.Tensor:
-    acc = HessianAccumulator(x.shape[1])
-    for chunk in x.split(_ROWS):
-        acc.add_batch(chunk)
-    return acc.hessian
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, w, b.float() if b is not None else None)
-
-
-def _attention_batches(lengths: list[int], max_tokens: int) -> Iterator[tuple[int, int, list[int]]]:
-    """(first row, end row, sequence lengths) of consecutive sequences up to max_tokens."""
-    start, row, group = 0, 0, []
-    for n in lengths:
-        if group and sum(group) + n > max_tokens:
-            yield start, row, group
-            start, group = row, []
-        group.append(n)
-        row += n
-    if group:
-        yield start, row, group
-
-
-Process = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def run_layer(
-    cfg: ModelConfig,
-    lw: LayerWeights,
-    stream: torch.Tensor,  # [T, hidden] fp32 residual stream entering the layer
-    lengths: list[int],
-    rotary: RotaryEmbedding,
-    process: Process,
-    energies: dict[str, float] | None = None,
-) -> torch.Tensor:
-    """The layer on every calibration token, true-sequential: before each matrix is used,
-    process(unit, H, W) sees its Hessian and returns the weight to compute with (the float one
-    when measuring, the dequantized one when quantizing). Returns the stream after the layer."""
-    eps = cfg.rms_norm_eps
-    x1 = rms_norm(stream, lw.input_norm.float(), eps)
-    w_qkv = process(UNITS[0], _hessian(x1), lw.matrices[UNITS[0]])
-    attn = Attention(cfg, torch.float32, torch.device("cpu"))
-    attn.qkv_proj.weight = nn.Parameter(w_qkv, False)
-    attn.qkv_proj.bias = nn.Parameter(lw.biases[UNITS[0]].float(), False) if lw.biases[UNITS[0]] is not None else None
-    attn.o_proj = nn.Identity()  # type: ignore[assignment]  # we want o_proj's input
-    o_in = torch.empty(stream.shape[0], cfg.q_size)  # [T, q_size]
-    with torch.no_grad():
-        for r0, r1, seqs in _attention_batches(lengths, _ROWS):
-            pages = [-(-n // _PAGE) for n in seqs]
-            shape = (sum(pages), _PAGE, cfg.num_kv_heads, cfg.head_dim)
-            kv = (torch.zeros(shape), torch.zeros(shape))
-            tables = torch.zeros(len(seqs), max(pages), dtype=torch.int32)
-            slots, positions, p0 = [], [], 0
-            for b, (n, np_) in enumerate(zip(seqs, pages, strict=True)):
-                tables[b, :np_] = torch.arange(p0, p0 + np_, dtype=torch.int32)
-                slots.append(torch.arange(n) + p0 * _PAGE)
-                positions.append(torch.arange(n))
-                p0 += np_
-            pos = torch.cat(positions)
-            starts = [0]
-            for n in seqs:
-                starts.append(starts[-1] + n)
-            meta = AttentionMetadata(query_start=starts, seq_lens=list(seqs), block_tables=tables, slot_mapping=torch.cat(slots))
-            cos, sin = rotary.cos_sin(pos, seq_len=max(seqs))
-            o_in[r0:r1] = attn(x1[r0:r1], cos, sin, kv, meta)
-    del x1
-    w_o = process(UNITS[1], _hessian(o_in), lw.matrices[UNITS[1]])
-    h2 = stream + _linear(o_in, w_o, lw.biases[UNITS[1]])
-    del o_in
-    if energies is not None:
-        # median over tokens of the squared norm: a few "attention sink" tokens carry residual
-        # norms 100x the rest and would dominate a mean
-        energies["attn_in"] = float(stream.square().sum(1).median())
-        energies["attn_out"] = float((h2 - stream).square().sum(1).median())
-        energies["mlp_in"] = float(h2.square().sum(1).median())
-    x2 = rms_norm(h2, lw.post_norm.float(), eps)
-    w_gu = process(UNITS[2], _hessian(x2), lw.matrices[UNITS[2]])
-    act = torch.cat([silu_and_mul(_linear(c, w_gu, lw.biases[UNITS[2]])) for c in x2.split(_ROWS)])  # [T, inter]
-    del x2
-    w_d = process(UNITS[3], _hessian(act), lw.matrices[UNITS[3]])
-    mlp_out = _linear(act, w_d, lw.biases[UNITS[3]])
-    if energies is not None:
-        energies["mlp_out"] = float(mlp_out.square().sum(1).median())
-    return h2 + mlp_out
-
-
-# --- state under OUT.partial/ -----------------------------------------------------------------
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _atomic_json(path: Path, obj: Any) -> None:
-    _atomic_write_bytes(path, json.dumps(obj, indent=1).encode())
-
-
-def _atomic_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
-
-
-def _save_stream(path: Path, next_layer: int, stream: torch.Tensor) -> None:
-    _atomic_tensors(path, {"stream": stream}, {"next_layer": str(next_layer)})
-
-
-def _load_stream(path: Path) -> tuple[int, torch.Tensor] | None:
-    if not path.is_file():
-        return None
-    with safe_open(str(path), framework="pt") as f:
-        next_layer = int(f.metadata()["next_layer"])
-        return next_layer, f.get_tensor("stream")
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fingerprint(model_dir: Path, opts: ConvertOptions) -> dict[str, Any]:
-    return {
-        "state_version": _STATE_VERSION,
-        "model": str(model_dir.resolve()),
-        "weights": sorted((p.name, p.stat().st_size) for p in safetensors_files(model_dir)),
-        "bits": opts.bits,
-        "group_size": opts.group_size,
-        "head_bits": opts.head_bits,
-        "act_order": opts.act_order,
-        "calib": [[str(p), _file_digest(Path(p))] for p in opts.calib_files],
-        "seq_len": opts.seq_len,
-        "num_windows": opts.num_windows,
-        "damp": opts.damp,
-        "measure_rows": opts.measure_rows,
-        "sample_prompts": opts.sample_prompts,
-        "sample_tokens": opts.sample_tokens,
-        "candidates": [c.to_json() for c in opts.candidates] if opts.candidates else None,
-    }
-
-
 # --- the conversion -----------------------------------------------------------------------------
-
-
-def residual_weights(energies: dict[str, float]) -> dict[str, float]:
-    """Weight of each matrix's relative error in the allocation objective: the power its block
-    (attention: qkv + o; MLP: gate_up + down) adds to the residual stream over the stream's
-    power there. A matrix's relative output error becomes, to first order, that fraction of its
-    block's output, so weight x rel_err estimates the noise-to-signal ratio it injects into the
-    residual stream: errors in early layers, where the stream is still small, weigh more."""
-    attn = energies["attn_out"] / max(energies["attn_in"], 1e-30)
-    mlp = energies["mlp_out"] / max(energies["mlp_in"], 1e-30)
-    return {UNITS[0]: attn, UNITS[1]: attn, UNITS[2]: mlp, UNITS[3]: mlp}
-
-
-def _unit_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    return {
-        UNITS[0]: (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
-        UNITS[1]: (cfg.hidden_size, cfg.q_size),
-        UNITS[2]: (2 * cfg.intermediate_size, cfg.hidden_size),
-        UNITS[3]: (cfg.hidden_size, cfg.intermediate_size),
-    }
 
 
 def _check_budget(cfg: ModelConfig, cands: list[Candidate], opts: ConvertOptions) -> None:
@@ -446,7 +207,8 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
         task = progress.add_task("measure", total=cfg.num_layers, info="")
         resumed = _load_stream(mdir / "measure" / "stream.safetensors")
         stale = any(
-            "residual" not in json.loads(f.read_text()) for f in sorted((mdir / "measure").glob("layer_*.json"))
+            json.loads(f.read_text()).get("version") != STATE_VERSION
+            for f in sorted((mdir / "measure").glob("layer_*.json"))
         )
         if stale:  # measured by an older version: measure again from the start
             resumed = None
@@ -454,42 +216,36 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
         progress.update(task, completed=first)
         for i in range(first, cfg.num_layers):
             lw = read_layer(src, i)
-            errors: dict[str, Any] = {}
-            energies: dict[str, float] = {}
-
-            def measure(unit: str, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                errors[unit] = measure_candidates(
-                    w, h, cands, act_order=opts.act_order, damp=opts.damp, max_rows=opts.measure_rows
-                )
-                return w
-
-            stream = run_layer(cfg, lw, stream, lengths, rotary, measure, energies)
-            errors["residual"] = energies
-            _atomic_json(mdir / "measure" / f"layer_{i:05d}.json", errors)
+            errors, stream = measure_layer(
+                cfg, lw, stream, lengths, rotary, cands, act_order=opts.act_order, damp=opts.damp,
+                max_tokens=opts.measure_tokens,
+            )
+            _atomic_json(mdir / "measure" / f"layer_{i:05d}.json", {"version": STATE_VERSION, **errors})
             _save_stream(mdir / "measure" / "stream.safetensors", i + 1, stream)
             ref = next((j for j, c in enumerate(cands) if c.parts == ((1.0, 4),)), 0)
             info = "  ".join(f"{u.split('.')[1].removesuffix('_proj')} {errors[u][ref]:.2e}" for u in UNITS)
-            progress.update(task, advance=1, info=f"4-bit error {info}")
+            progress.update(task, advance=1, info=f"{cands[ref].name} error {info}")
             if opts.after_layer is not None:
                 opts.after_layer("measure", i)
         del stream
 
-        # allocation
+        # allocation: minimise the summed stream errors within the budget
         prefixes, costs, errs = [], [], []
         for i in range(cfg.num_layers):
             measured = json.loads((mdir / "measure" / f"layer_{i:05d}.json").read_text())
-            weights = residual_weights(measured["residual"])
             for unit in UNITS:
                 n, k = shapes[unit]
                 prefixes.append(f"model.layers.{i}.{unit}")
                 costs.append([storage_bits(c, n, k, opts.act_order) for c in cands])
-                errs.append([weights[unit] * e for e in measured[unit]])
+                errs.append(measured[unit])
         total_weights = cfg.num_layers * sum(n * k for n, k in shapes.values())
         picks = allocate(costs, errs, opts.bits * total_weights)
         chosen = {p: cands[j] for p, j in zip(prefixes, picks, strict=True)}
         used = sum(c[j] for c, j in zip(costs, picks, strict=True))
+        predicted = sum(e[j] for e, j in zip(errs, picks, strict=True))
         console.print(
-            f"allocation: {used / total_weights:.4f} bits per weight (budget {opts.bits}) [{time.perf_counter() - t_start:.0f} s]"
+            f"allocation: {used / total_weights:.4f} bits per weight (budget {opts.bits}), predicted stream "
+            f"error {predicted:.4g} [{time.perf_counter() - t_start:.0f} s]"
         )
 
         # pass 2: quantization

@@ -39,10 +39,18 @@ class Candidate:
 
     parts: tuple[tuple[float, int], ...]
     group_size: int
+    # False: never act-order (columns in their own order; costs no permutation and keeps a weight
+    # that already sits on a group grid exactly representable). True: act-order whenever the
+    # conversion allows it.
+    act_order: bool = True
+
+    def uses_act_order(self, allowed: bool) -> bool:
+        return allowed and self.act_order
 
     @property
     def name(self) -> str:
         g = "pc" if self.group_size == PER_CHANNEL else f"g{self.group_size}"
+        g += "" if self.act_order else " seq"
         if len(self.parts) == 1:
             return f"{self.parts[0][1]}b {g}"
         return "+".join(f"{round(f * 100)}%{b}b" for f, b in self.parts) + f" {g}"
@@ -66,33 +74,35 @@ class Candidate:
         return out
 
     def to_json(self) -> dict[str, object]:
-        return {"parts": [list(p) for p in self.parts], "group_size": self.group_size}
+        return {"parts": [list(p) for p in self.parts], "group_size": self.group_size, "act_order": self.act_order}
 
     @classmethod
     def from_json(cls, d: dict[str, object]) -> Candidate:
         parts = tuple((float(f), int(b)) for f, b in d["parts"])  # type: ignore[union-attr]
-        return cls(parts, int(d["group_size"]))  # type: ignore[arg-type]
+        return cls(parts, int(d["group_size"]), bool(d.get("act_order", True)))  # type: ignore[arg-type]
 
 
 def default_candidates(group_size: int | None = None) -> list[Candidate]:
-    """Uniform 2-8 bits at groups 32/64/128 (6 and 8 bits also per-channel), and two-slice mixes
-    of b+1 / b bits (and 4 / 2, 8 / 6) with 10, 25 or 50 % of K at the higher width, at group 128. `group_size`
-    restricts every candidate to that group size."""
+    """Candidates at groups 32/64/128: 2 and 3 bits with act-order (where GPTQ gains most from
+    it), 4 bits with and without, 5/6/8 bits in column order ("seq": no permutation to store,
+    and a weight that already sits on a group grid stays exactly representable), and act-order
+    two-slice mixes, half of K at b+1 bits and half at b (and 4 / 2, 8 / 6), at group 128.
+    `group_size` restricts every candidate to that group size. Act-order candidates fall back to
+    column order when the conversion runs without act-order."""
     groups = (32, 64, 128) if group_size is None else (group_size,)
-    cands = [Candidate(((1.0, b),), g) for b in SUPPORTED_BITS for g in groups]
-    if group_size is None:
-        cands += [Candidate(((1.0, b),), PER_CHANNEL) for b in (6, 8)]
+    cands = [Candidate(((1.0, b),), g) for b in (2, 3, 4) for g in groups]
+    cands += [Candidate(((1.0, b),), g, act_order=False) for b in (4, 5, 6, 8) for g in groups]
     mix_groups = (128,) if group_size is None else (group_size,)
     for lo, hi in ((2, 3), (3, 4), (4, 5), (5, 6), (2, 4), (6, 8)):
-        for frac in (0.1, 0.25, 0.5):
-            for g in mix_groups:
-                cands.append(Candidate(((frac, hi), (1.0 - frac, lo)), g))
+        for g in mix_groups:
+            cands.append(Candidate(((0.5, hi), (0.5, lo)), g))
     return cands
 
 
 def storage_bits(cand: Candidate, n: int, k: int, act_order: bool) -> int:
-    """QuantWeight.storage_bits() of the weight this candidate makes, from shapes alone."""
-    total = 32 * k if act_order else 0
+    """QuantWeight.storage_bits() of the weight this candidate makes, from shapes alone;
+    act_order: whether the conversion allows act-order."""
+    total = 32 * k if cand.uses_act_order(act_order) else 0
     for k0, k1, bits, gs in cand.slices(k):
         width = k1 - k0
         total += width * bits * n + 32 * math.ceil(width / gs) * n
@@ -115,39 +125,12 @@ def _prepare(w: torch.Tensor, hessian: torch.Tensor, act_order: bool) -> tuple[t
     return weight, h, perm
 
 
-def measure_candidates(
-    w: torch.Tensor,
-    hessian: torch.Tensor,
-    candidates: list[Candidate],
-    *,
-    act_order: bool = True,
-    damp: float = 0.01,
-    max_rows: int = 256,
-    block_size: int = 32,
-    seed: int = 0,
-) -> list[float]:
-    """Relative error (module docstring) of every candidate on w [N, K] with H [K, K].
-
-    All candidates run through one GPTQ sweep over the columns, batched along a leading
-    candidate axis (per-column Python overhead dominates GPTQ on small layers). GPTQ treats rows
-    independently, so a fixed random sample of `max_rows` rows estimates the ratio. The sweep
-    is gptq_quantize's algorithm with bits and group boundaries per candidate; for a uniform
-    candidate it reproduces gptq_quantize's loss on the same rows."""
-    if not candidates:
-        raise QuantizationError("no candidates to measure")
-    n, k = w.shape
-    if n > max_rows:
-        rows = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:max_rows].sort().values
-        w = w[rows]
-    h_orig = hessian.float()
-    signal = float(((w.float() @ h_orig) * w.float()).sum())  # ||X W^T||^2 * 2 on these rows
-    if signal <= 0:
-        return [0.0] * len(candidates)
-    weight, h, perm = _prepare(w, hessian, act_order)
-    hinv = _inverse_cholesky_upper(h, damp)
+def _sweep(weight: torch.Tensor, hinv: torch.Tensor, candidates: list[Candidate], block_size: int) -> torch.Tensor:
+    """One GPTQ sweep over the columns of weight [n, K] (stored order, preprocessed) for every
+    candidate at once, batched along a leading candidate axis (per-column Python overhead
+    dominates GPTQ on small layers). Returns the dequantized weights [C, K, n], stored order."""
+    rows_n, k = weight.shape
     c = len(candidates)
-    rows_n = weight.shape[0]
-
     # per candidate and stored column: max q, and whether a new group starts there (group end)
     maxq = torch.empty(c, k)
     group_end = [dict[int, int]() for _ in range(c)]
@@ -189,11 +172,68 @@ def measure_candidates(
             err[:, i] = e
         if b1 < k:
             wc[:, b1:] -= torch.matmul(hinv[b0:b1, b1:].t(), err)
+    return deq
 
-    w_stored = w.float()[:, perm] if perm is not None else w.float()
-    h_stored = h_orig[perm][:, perm] if perm is not None else h_orig
-    delta = w_stored.t().unsqueeze(0) - deq  # [C, K, n]
-    losses = (torch.matmul(h_stored, delta) * delta).sum(dim=(1, 2))
+
+def candidate_weights(
+    w: torch.Tensor,
+    hessian: torch.Tensor,
+    candidates: list[Candidate],
+    *,
+    act_order: bool = True,
+    damp: float = 0.01,
+    block_size: int = 32,
+) -> torch.Tensor:
+    """The dequantized weight [C, N, K] (original column order) that each candidate makes of
+    w [N, K] with H [K, K], all through batched GPTQ sweeps: one for the candidates in column
+    order, one for the act-order ones. For a uniform candidate this is gptq_quantize's result;
+    for a mix, one sweep with per-column bits (quantize_candidate's per-slice runs differ
+    slightly). act_order: whether the conversion allows act-order."""
+    if not candidates:
+        raise QuantizationError("no candidates to measure")
+    n, k = w.shape
+    out = torch.empty(len(candidates), n, k)
+    for ordered in (False, True):
+        idx = [i for i, c in enumerate(candidates) if c.uses_act_order(act_order) == ordered]
+        if not idx:
+            continue
+        weight, h, perm = _prepare(w, hessian, ordered)
+        hinv = _inverse_cholesky_upper(h, damp)
+        deq = _sweep(weight, hinv, [candidates[i] for i in idx], block_size).transpose(1, 2)  # [c, n, K] stored
+        if perm is not None:
+            deq = deq[:, :, torch.argsort(perm)]
+        out[idx] = deq
+    return out
+
+
+def measure_candidates(
+    w: torch.Tensor,
+    hessian: torch.Tensor,
+    candidates: list[Candidate],
+    *,
+    act_order: bool = True,
+    damp: float = 0.01,
+    max_rows: int = 256,
+    block_size: int = 32,
+    seed: int = 0,
+) -> list[float]:
+    """Relative output error ||X (W - Wq)^T||^2 / ||X W^T||^2 of every candidate on w [N, K]
+    with H [K, K]. GPTQ treats rows independently, so a fixed random sample of `max_rows` rows
+    estimates the ratio. For a uniform candidate it reproduces gptq_quantize's loss on the same
+    rows."""
+    if not candidates:
+        raise QuantizationError("no candidates to measure")
+    n, k = w.shape
+    if n > max_rows:
+        rows = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:max_rows].sort().values
+        w = w[rows]
+    h_orig = hessian.float()
+    signal = float(((w.float() @ h_orig) * w.float()).sum())  # ||X W^T||^2 * 2 on these rows
+    if signal <= 0:
+        return [0.0] * len(candidates)
+    deq = candidate_weights(w, hessian, candidates, act_order=act_order, damp=damp, block_size=block_size)
+    delta = w.float().unsqueeze(0) - deq  # [C, n, K]
+    losses = (torch.matmul(delta, h_orig) * delta).sum(dim=(1, 2))
     return [float(x) / signal for x in losses]
 
 
@@ -209,6 +249,7 @@ def quantize_candidate(
     columns take the optimal compensating update W_rest += D_s H_s,rest H_rest,rest^-1."""
     n, k = w.shape
     spec = cand.slices(k)
+    act_order = cand.uses_act_order(act_order)
     if len(spec) == 1:
         _, _, bits, gs = spec[0]
         return gptq_quantize(w, hessian, bits, gs, damp=damp, act_order=act_order)
