@@ -16,7 +16,7 @@ from halfbyte.quant.block_error import measure_layer, subsample
 from halfbyte.quant.convert import UNITS, TensorSource, read_layer, run_layer
 from halfbyte.quant.gptq import HessianAccumulator, gptq_quantize
 from halfbyte.quant.measure import Candidate, allocate, candidate_weights, default_candidates, measure_candidates, storage_bits
-from halfbyte.quant.rtn import quantize_rtn
+from halfbyte.quant.rtn import _rounding_error, group_params, quantize_rtn
 from tests.test_convert import make_model
 
 G32_SEQ = Candidate(((1.0, 4),), 32, act_order=False)
@@ -43,11 +43,12 @@ def _hessian(k: int, seed: int) -> torch.Tensor:
 def test_grid_aligned_weight_is_exact_at_4_bit_group_32_in_column_order() -> None:
     w, h = _q41_weight(40, 96, seed=1), _hessian(96, seed=2)
     assert torch.equal(quantize_rtn(w, 4, 32).dequantize(), w)
-    gq, loss = gptq_quantize(w, h, 4, 32, act_order=False)
-    assert torch.equal(gq.dequantize(), w) and loss == 0.0
+    for clip in (False, True):  # the clip search keeps the full range on ties
+        gq, loss = gptq_quantize(w, h, 4, 32, act_order=False, clip_search=clip)
+        assert torch.equal(gq.dequantize(), w) and loss == 0.0
     cands = default_candidates()
-    deq = candidate_weights(w, h, cands, act_order=True)
-    err = measure_candidates(w, h, cands, act_order=True)
+    deq = candidate_weights(w, h, cands, act_order=True, clip_search=True)
+    err = measure_candidates(w, h, cands, act_order=True, clip_search=True)
     for c, d, e in zip(cands, deq, err, strict=True):
         if c == G32_SEQ:
             assert torch.equal(d, w) and e == 0.0
@@ -131,3 +132,18 @@ def test_subsample_takes_whole_leading_sequences() -> None:
     assert subsample([24, 40, 32], 70) == (64, [24, 40])
     assert subsample([24, 40, 32], 10) == (24, [24])  # at least one sequence
     assert subsample([24, 40, 32], 1000) == (96, [24, 40, 32])
+
+
+def test_clip_search_never_rounds_worse_than_the_full_range() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 32, generator=g)
+    w[:, 5] *= 6  # an outlier column: clipping it pays off unless its weight says otherwise
+    for bits in (2, 3, 4):
+        for col_weight in (None, torch.rand(32, generator=g) + 0.01):
+            full = group_params(w, bits)
+            clipped = group_params(w, bits, clip_search=True, col_weight=col_weight)
+            e_full = _rounding_error(w, *full, (1 << bits) - 1, col_weight)
+            e_clip = _rounding_error(w, *clipped, (1 << bits) - 1, col_weight)
+            assert bool((e_clip <= e_full).all())
+            if col_weight is None and bits < 4:  # at few bits clipping the outlier pays clearly
+                assert float(e_clip.sum()) < 0.9 * float(e_full.sum()), bits

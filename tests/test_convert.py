@@ -226,17 +226,18 @@ def _layer_problem(n: int = 48, k: int = 128, seed: int = 0) -> tuple[torch.Tens
     return torch.randn(n, k, generator=g) * 0.05, acc.hessian
 
 
-def test_measurement_reproduces_gptq_and_storage_accounting() -> None:
+@pytest.mark.parametrize("clip", [False, True])
+def test_measurement_reproduces_gptq_and_storage_accounting(clip: bool) -> None:
     w, h = _layer_problem()
     signal = 0.5 * float(((w @ h) * w).sum())
     cands = default_candidates()
-    measured = measure_candidates(w, h, cands, act_order=True)
+    measured = measure_candidates(w, h, cands, act_order=True, clip_search=clip)
     for cand, err in zip(cands, measured, strict=True):
-        qw, loss = quantize_candidate(w, h, cand, act_order=True)
+        qw, loss = quantize_candidate(w, h, cand, act_order=True, clip_search=clip)
         assert qw.storage_bits() == storage_bits(cand, 48, 128, act_order=True), cand.name
         if len(cand.slices(128)) == 1:  # uniform: exactly gptq_quantize
             _, _, bits, gs = cand.slices(128)[0]
-            _, gptq_loss = gptq_quantize(w, h, bits, gs, act_order=cand.act_order)
+            _, gptq_loss = gptq_quantize(w, h, bits, gs, act_order=cand.act_order, clip_search=clip)
             assert err == pytest.approx(gptq_loss / signal, rel=1e-3, abs=1e-9), cand.name
         assert err == pytest.approx(loss / signal, rel=0.25, abs=1e-7), cand.name  # mixes: one sweep vs per slice
     by_name = dict(zip((c.name for c in cands), measured, strict=True))

@@ -61,6 +61,7 @@ def measure_layer(
     act_order: bool,
     damp: float,
     max_tokens: int = 1024,
+    clip_search: bool = False,
 ) -> tuple[dict[str, list[float]], torch.Tensor]:
     """Per unit, the error (module docstring) of every candidate; and the stream after the float
     layer. act_order: whether the conversion allows act-order candidates to use it."""
@@ -100,7 +101,9 @@ def measure_layer(
             errs: list[float] = []
             for c0 in range(0, len(candidates), _CHUNK):
                 chunk = candidates[c0 : c0 + _CHUNK]
-                deq = candidate_weights(lw.matrices[unit], hessians[unit], chunk, act_order=act_order, damp=damp)
+                deq = candidate_weights(
+                    lw.matrices[unit], hessians[unit], chunk, act_order=act_order, damp=damp, clip_search=clip_search
+                )
                 errs += [error(unit, deq[c]) for c in range(len(chunk))]
                 del deq
             errors[unit] = errs

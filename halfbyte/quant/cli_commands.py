@@ -15,6 +15,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         bits=args.bits, group_size=args.group_size, head_bits=args.head_bits, act_order=args.act_order,
         calib_files=tuple(args.calib or ()), seq_len=args.calib_seq_len, num_windows=args.calib_windows,
         show_progress=sys.stderr.isatty() or args.progress, measure_cache=args.measure_cache,
+        clip_search=args.clip_search,
     )
     result = convert(args.model, args.out, opts)
     print(
@@ -70,7 +71,9 @@ def add_subcommands(sub: Any) -> None:
     conv.add_argument("--group-size", type=int, default=None, help="fix the group size (32, 64 or 128); default: chosen per layer")
     conv.add_argument("--head-bits", type=int, default=None, help="also quantize the LM head at this many bits (default: dense)")
     conv.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
-                      help="quantize columns in order of decreasing input energy (default: on)")
+                      help="allow settings that quantize columns in order of decreasing input energy (default: on)")
+    conv.add_argument("--clip-search", action=argparse.BooleanOptionalAction, default=True,
+                      help="search clipped group ranges for the least energy-weighted rounding error (default: on)")
     conv.add_argument("--measure-cache", default=None, metavar="DIR",
                       help="keep calibration and measurements in DIR and reuse them when converting the same model to other budgets")
     conv.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")

@@ -77,6 +77,8 @@ class ConvertOptions:
     sample_prompts: int = 32
     sample_tokens: int = 160
     damp: float = 0.01
+    # GPTQ's group grids: search clipped ranges for the least input-energy-weighted rounding error
+    clip_search: bool = True
     measure_tokens: int = 1024  # calibration tokens (whole windows) each candidate's block error is measured on
     show_progress: bool = True
     candidates: tuple[Candidate, ...] | None = None  # None: measure.default_candidates(group_size)
@@ -218,7 +220,7 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
             lw = read_layer(src, i)
             errors, stream = measure_layer(
                 cfg, lw, stream, lengths, rotary, cands, act_order=opts.act_order, damp=opts.damp,
-                max_tokens=opts.measure_tokens,
+                max_tokens=opts.measure_tokens, clip_search=opts.clip_search,
             )
             _atomic_json(mdir / "measure" / f"layer_{i:05d}.json", {"version": STATE_VERSION, **errors})
             _save_stream(mdir / "measure" / "stream.safetensors", i + 1, stream)
@@ -259,7 +261,10 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
             rel: dict[str, float] = {}
 
             def quantize(unit: str, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                qw, loss = quantize_candidate(w, h, chosen[f"model.layers.{i}.{unit}"], act_order=opts.act_order, damp=opts.damp)
+                qw, loss = quantize_candidate(
+                    w, h, chosen[f"model.layers.{i}.{unit}"], act_order=opts.act_order, damp=opts.damp,
+                    clip_search=opts.clip_search,
+                )
                 signal = 0.5 * float(((w @ h) * w).sum())
                 qweights[unit], rel[unit] = qw, (loss / signal if signal > 0 else 0.0)
                 return qw.dequantize()
@@ -293,7 +298,9 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
                 w_head = (src.get("lm_head.weight") if src.has("lm_head.weight") and not cfg.tie_word_embeddings
                           else rest["model.embed_tokens.weight"]).float()
                 cand = Candidate(((1.0, opts.head_bits),), opts.group_size or 128)
-                qw, _ = quantize_candidate(w_head, _hessian(x), cand, act_order=opts.act_order, damp=opts.damp)
+                qw, _ = quantize_candidate(
+                    w_head, _hessian(x), cand, act_order=opts.act_order, damp=opts.damp, clip_search=opts.clip_search
+                )
                 _atomic_tensors(head_file, qw.to_state_dict("lm_head"), {"meta": json.dumps(qw.meta())})
             with safe_open(str(head_file), framework="pt") as f:
                 head_meta = json.loads(f.metadata()["meta"])

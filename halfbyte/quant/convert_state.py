@@ -71,6 +71,7 @@ def _fingerprint(model_dir: Path, opts: ConvertOptions) -> dict[str, Any]:
         "seq_len": opts.seq_len,
         "num_windows": opts.num_windows,
         "damp": opts.damp,
+        "clip_search": opts.clip_search,
         "measure_tokens": opts.measure_tokens,
         "sample_prompts": opts.sample_prompts,
         "sample_tokens": opts.sample_tokens,

@@ -74,13 +74,15 @@ def gptq_quantize(
     block_size: int = 128,
     act_order: bool = False,
     symmetric: bool = False,
+    clip_search: bool = False,
 ) -> tuple[QuantWeight, float]:
     """Quantize w [N, K] given H [K, K] = 2 X^T X / n.
 
     Returns the QuantWeight (perm set when act_order) and the proxy loss
     0.5 * sum_n (w_n - wq_n) H (w_n - wq_n)^T with the undamped H as given, which for H from
     HessianAccumulator equals ||X W^T - X Wq^T||_F^2 / n: the mean over tokens of the squared
-    output error summed over output features.
+    output error summed over output features. clip_search: rtn.group_params's search for a
+    clipped grid per group (asymmetric only).
     """
     check_bits(bits)
     if w.dim() != 2:
@@ -114,6 +116,7 @@ def gptq_quantize(
         h = h[perm][:, perm]
 
     hinv = _inverse_cholesky_upper(h, damp)  # [K, K] upper
+    hdiag = torch.diag(h)  # [K] input energies, stored order
 
     num_groups = math.ceil(k / group_size)
     q = torch.empty(n, k, dtype=torch.int32, device=w.device)
@@ -134,7 +137,7 @@ def gptq_quantize(
                 cols = block[:, i : min(g_end, b1) - b0]
                 if g_end > b1:
                     cols = torch.cat([cols, weight[:, b1:g_end]], dim=1)
-                scale, mn = group_params(cols, bits, symmetric)
+                scale, mn = group_params(cols, bits, symmetric, clip_search, hdiag[col:g_end] if clip_search else None)
                 scales[col // group_size], mins[col // group_size] = scale, mn
             wcol = block[:, i]
             qcol = quantize_values(wcol, scale, mn, bits)

@@ -125,7 +125,9 @@ def _prepare(w: torch.Tensor, hessian: torch.Tensor, act_order: bool) -> tuple[t
     return weight, h, perm
 
 
-def _sweep(weight: torch.Tensor, hinv: torch.Tensor, candidates: list[Candidate], block_size: int) -> torch.Tensor:
+def _sweep(
+    weight: torch.Tensor, h: torch.Tensor, hinv: torch.Tensor, candidates: list[Candidate], block_size: int, clip_search: bool
+) -> torch.Tensor:
     """One GPTQ sweep over the columns of weight [n, K] (stored order, preprocessed) for every
     candidate at once, batched along a leading candidate axis (per-column Python overhead
     dominates GPTQ on small layers). Returns the dequantized weights [C, K, n], stored order."""
@@ -144,6 +146,7 @@ def _sweep(weight: torch.Tensor, hinv: torch.Tensor, candidates: list[Candidate]
         for col in group_end[ci]:
             starts.setdefault(col, []).append(ci)
 
+    hdiag = torch.diag(h)  # [K] input energies, stored order
     # columns first ([C, K, n]): every per-column op then reads contiguous memory
     wc = weight.t().unsqueeze(0).repeat(c, 1, 1)  # [C, K, n], error-updated weights
     deq = torch.empty_like(wc)  # [C, K, n] dequantized values, stored order
@@ -162,7 +165,7 @@ def _sweep(weight: torch.Tensor, hinv: torch.Tensor, candidates: list[Candidate]
                 if g_end > b1:
                     cols = torch.cat([cols, wc[ci, b1:g_end]], dim=0)
                 bits = int(maxq[ci, col]).bit_length()
-                scale[ci], mn[ci] = group_params(cols.t(), bits)
+                scale[ci], mn[ci] = group_params(cols.t(), bits, False, clip_search, hdiag[col:g_end] if clip_search else None)
             wcol = block[:, i]  # [C, n]
             q = torch.minimum(torch.clamp(torch.round((wcol - mn) / scale), min=0), maxq[:, col : col + 1])
             dq = q * scale + mn
@@ -183,6 +186,7 @@ def candidate_weights(
     act_order: bool = True,
     damp: float = 0.01,
     block_size: int = 32,
+    clip_search: bool = False,
 ) -> torch.Tensor:
     """The dequantized weight [C, N, K] (original column order) that each candidate makes of
     w [N, K] with H [K, K], all through batched GPTQ sweeps: one for the candidates in column
@@ -199,7 +203,7 @@ def candidate_weights(
             continue
         weight, h, perm = _prepare(w, hessian, ordered)
         hinv = _inverse_cholesky_upper(h, damp)
-        deq = _sweep(weight, hinv, [candidates[i] for i in idx], block_size).transpose(1, 2)  # [c, n, K] stored
+        deq = _sweep(weight, h, hinv, [candidates[i] for i in idx], block_size, clip_search).transpose(1, 2)  # [c, n, K] stored
         if perm is not None:
             deq = deq[:, :, torch.argsort(perm)]
         out[idx] = deq
@@ -216,6 +220,7 @@ def measure_candidates(
     max_rows: int = 256,
     block_size: int = 32,
     seed: int = 0,
+    clip_search: bool = False,
 ) -> list[float]:
     """Relative output error ||X (W - Wq)^T||^2 / ||X W^T||^2 of every candidate on w [N, K]
     with H [K, K]. GPTQ treats rows independently, so a fixed random sample of `max_rows` rows
@@ -231,14 +236,15 @@ def measure_candidates(
     signal = float(((w.float() @ h_orig) * w.float()).sum())  # ||X W^T||^2 * 2 on these rows
     if signal <= 0:
         return [0.0] * len(candidates)
-    deq = candidate_weights(w, hessian, candidates, act_order=act_order, damp=damp, block_size=block_size)
+    deq = candidate_weights(w, hessian, candidates, act_order=act_order, damp=damp, block_size=block_size, clip_search=clip_search)
     delta = w.float().unsqueeze(0) - deq  # [C, n, K]
     losses = (torch.matmul(delta, h_orig) * delta).sum(dim=(1, 2))
     return [float(x) / signal for x in losses]
 
 
 def quantize_candidate(
-    w: torch.Tensor, hessian: torch.Tensor, cand: Candidate, *, act_order: bool = True, damp: float = 0.01
+    w: torch.Tensor, hessian: torch.Tensor, cand: Candidate, *, act_order: bool = True, damp: float = 0.01,
+    clip_search: bool = False,
 ) -> tuple[QuantWeight, float]:
     """Quantize w [N, K] with one candidate through gptq_quantize; returns (weight, proxy loss
     as gptq_quantize defines it).
@@ -252,7 +258,7 @@ def quantize_candidate(
     act_order = cand.uses_act_order(act_order)
     if len(spec) == 1:
         _, _, bits, gs = spec[0]
-        return gptq_quantize(w, hessian, bits, gs, damp=damp, act_order=act_order)
+        return gptq_quantize(w, hessian, bits, gs, damp=damp, act_order=act_order, clip_search=clip_search)
     weight, h, perm = _prepare(w, hessian, act_order)
     # one absolute damping for every slice, as a single sweep over H + lam * I would apply
     lam = damp * float(torch.diag(h).mean())
@@ -265,7 +271,7 @@ def quantize_candidate(
             h_ss = h_ss - h[k0:k1, k1:] @ solved
             h_ss = (h_ss + h_ss.t()) / 2
         slice_damp = lam / max(float(torch.diag(h_ss).mean()), 1e-30)
-        qw, _ = gptq_quantize(weight[:, k0:k1], h_ss, bits, gs, damp=slice_damp)
+        qw, _ = gptq_quantize(weight[:, k0:k1], h_ss, bits, gs, damp=slice_damp, clip_search=clip_search)
         s = qw.slices[0]
         slices.append(QuantSlice(k0, k1, bits, gs, s.qweight, s.scales, s.mins))
         if k1 < k:

@@ -26,10 +26,19 @@ def check_group_size(group_size: int, k: int) -> None:
         )
 
 
-def group_params(w: torch.Tensor, bits: int, symmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def group_params(
+    w: torch.Tensor, bits: int, symmetric: bool = False, clip_search: bool = False,
+    col_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, min), each float32 [N] holding fp16-representable values, for the group of
     columns w [N, G]. Asymmetric: the grid spans [min, max] of each row. Symmetric: a zero point
-    of 2^(bits-1) and a scale from max |w| (mins = -z * scale)."""
+    of 2^(bits-1) and a scale from max |w| (mins = -z * scale).
+
+    clip_search (asymmetric only): per row, also try grids over the range shrunk towards its
+    midpoint (CLIP_FACTORS) and keep the one with the least squared rounding error; at few bits
+    clipping a rare outlier buys a finer grid for the rest. The full range comes first and is
+    kept on ties, so a row already on a grid stays exact. col_weight [G]: weights of the
+    columns' squared errors (GPTQ passes its Hessian's diagonal, the inputs' energies)."""
     maxq = (1 << bits) - 1
     w = w.float()
     if symmetric:
@@ -37,12 +46,36 @@ def group_params(w: torch.Tensor, bits: int, symmetric: bool = False) -> tuple[t
         scale = (2 * amax / maxq).clamp_min(_MIN_SCALE).half().float()
         # z is a power of two, so -z * scale is exact in fp16 as long as it does not overflow
         mn = (-(1 << (bits - 1)) * scale).half().float()
-    else:
-        lo = w.amin(dim=1)
-        hi = w.amax(dim=1)
-        scale = ((hi - lo) / maxq).clamp_min(_MIN_SCALE).half().float()
-        mn = lo.half().float()
+        return scale, mn
+    lo = w.amin(dim=1)
+    hi = w.amax(dim=1)
+    scale = ((hi - lo) / maxq).clamp_min(_MIN_SCALE).half().float()
+    mn = lo.half().float()
+    if not clip_search:
+        return scale, mn
+    best = _rounding_error(w, scale, mn, maxq, col_weight)
+    mid, half_range = (hi + lo) / 2, (hi - lo) / 2
+    for f in CLIP_FACTORS:
+        lo_f = mid - f * half_range
+        s_f = (2 * f * half_range / maxq).clamp_min(_MIN_SCALE).half().float()
+        m_f = lo_f.half().float()
+        err = _rounding_error(w, s_f, m_f, maxq, col_weight)
+        better = err < best
+        scale, mn, best = torch.where(better, s_f, scale), torch.where(better, m_f, mn), torch.where(better, err, best)
     return scale, mn
+
+
+# range fractions clip_search tries after the full range
+CLIP_FACTORS = tuple(1.0 - 0.025 * i for i in range(1, 17))  # 0.975 .. 0.6
+
+
+def _rounding_error(
+    w: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, maxq: int, col_weight: torch.Tensor | None
+) -> torch.Tensor:
+    """Per row, the (column-weighted) squared error of w [N, G] rounded to the grid (scale, mn) [N]."""
+    q = torch.clamp(torch.round((w - mn[:, None]) / scale[:, None]), 0, maxq)
+    e = (q * scale[:, None] + mn[:, None] - w).square()
+    return (e * col_weight if col_weight is not None else e).sum(1)
 
 
 def quantize_values(w: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: int) -> torch.Tensor:
