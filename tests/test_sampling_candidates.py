@@ -1,0 +1,64 @@
+"""The fused candidates kernel (kernels/sampling_candidates.py) against the torch reference
+path (filter_candidates + race_ref on the same noise): the SAME filtered candidates and the
+SAME token for random logits and parameters. On the CPU through Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from halfbyte.engine.sampling_filters import FilterParams, filter_candidates
+from halfbyte.kernels.sampling import race_ref, row_keys
+from halfbyte.kernels.triton_utils import HAS_TRITON
+from tests.kernel_testing import DEVICE
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+
+def _case(seed: int, rows: int, vocab: int, use_top_p: bool, use_typ: bool, use_min_p: bool):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen) * (0.5 + 3 * torch.rand(rows, 1, generator=gen))
+    x[0, ::7] = float("-inf")  # banned tokens
+    x[1, 3] = x[1, 5] = x[1].max() + 1  # a tie at the top
+    top_k = torch.randint(1, 60, (rows,), generator=gen)
+    greedy = torch.rand(rows, generator=gen) < 0.15
+    top_k[greedy] = vocab
+    floats = torch.ones(rows, 7)
+    if use_top_p:
+        floats[:, 4] = torch.where(torch.rand(rows, generator=gen) < 0.8, torch.rand(rows, generator=gen), 1.0)
+    if use_typ:
+        floats[:, 5] = torch.where(torch.rand(rows, generator=gen) < 0.7, 0.2 + 0.8 * torch.rand(rows, generator=gen), 1.0)
+    floats[:, 6] = torch.where(torch.rand(rows, generator=gen) < 0.6, 0.3 * torch.rand(rows, generator=gen), 0.0) if use_min_p else 0.0
+    floats[greedy, 4:6] = 1.0
+    floats[greedy, 6] = 0.0
+    keys = torch.tensor(row_keys(list(range(seed, seed + rows)), [seed] * rows), dtype=torch.int64)
+    typ_rows = (floats[:, 5] < 1).nonzero().squeeze(1)
+    max_top_k = int(top_k[top_k < vocab].max())
+    f = FilterParams(top_k=top_k, top_p=floats[:, 4], typical_p=floats[:, 5], min_p=floats[:, 6],
+                     max_top_k=max_top_k, use_top_p=use_top_p,
+                     typical_rows=typ_rows if use_typ and len(typ_rows) else None, use_min_p=use_min_p,
+                     candidates_only=True)
+    return x, f, floats, keys, greedy
+
+
+@pytest.mark.parametrize("flags", [(True, True, True), (True, False, True), (False, True, False), (True, False, False),
+                                   (False, False, False)])
+@pytest.mark.parametrize("seed", range(4))
+def test_fused_candidates_equal_reference(flags: tuple[bool, bool, bool], seed: int) -> None:
+    from halfbyte.kernels.sampling_candidates import sample_candidates_triton
+
+    rows, vocab = 24, 700
+    x, f, floats, keys, greedy = _case(seed * 10 + sum(flags), rows, vocab, *flags)
+    want_vals, ids = filter_candidates(x, f)
+    want = race_ref(want_vals, keys, greedy, ids)
+    vals, ids2 = x.topk(f.max_top_k, dim=1)
+    assert torch.equal(ids, ids2)
+    typ = (floats[:, 5] < 1) if f.typical_rows is not None else None
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    got, got_vals = sample_candidates_triton(dev(vals), dev(ids), dev(f.top_k), dev(floats), dev(keys), dev(greedy),
+                                             None if typ is None else dev(typ), f.use_top_p, f.use_min_p)
+    got_vals = got_vals.cpu()
+    assert torch.equal(torch.isinf(got_vals), torch.isinf(want_vals))
+    fin = torch.isfinite(want_vals)
+    assert torch.allclose(got_vals[fin], want_vals[fin])
+    assert torch.equal(got.cpu(), want)
