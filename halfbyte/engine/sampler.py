@@ -18,6 +18,7 @@ import torch
 
 from halfbyte.engine.sampling_filters import FilterParams, apply_filters, filter_candidates
 from halfbyte.engine.token_state import SampledSequence, TokenStatePool
+from halfbyte.kernels.dispatch import use_triton
 from halfbyte.kernels.sampling import penalize, race, row_key
 from halfbyte.sampling_params import SamplingParams
 
@@ -39,7 +40,11 @@ class _RowTensors:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int] | None = None) -> None:
+    def __init__(self, eos_token_ids: set[int] | None = None, fused: bool | None = None) -> None:
+        """fused: the one-kernel candidates path (kernels/sampling_candidates.py) when every row has
+        a top_k <= MAX_CANDIDATES; None = on CUDA tensors (HALFBYTE_REFERENCE=1 turns it off),
+        True forces it (the Triton interpreter on the CPU), False keeps the torch reference."""
+        self.fused = fused
         self.eos_token_ids: set[int] = set(eos_token_ids or ())  # min_tokens suppresses these
         self._state: TokenStatePool | None = None
         self._seeds: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -63,13 +68,34 @@ class Sampler:
         params = [s.params for s in seqs]
         x, f, rows = self._scaled_logits(logits, seqs)
         keys, greedy = rows.ints[:, 0], rows.ints[:, 2] != 0
-        if f is not None and f.candidates_only:  # the draw sees only [B, K] candidates
+        if f is not None and f.candidates_only and self._use_fused(x, f):
+            tokens = self._sample_fused(x, f, rows)
+        elif f is not None and f.candidates_only:  # the draw sees only [B, K] candidates
             vals, ids = filter_candidates(x, f)
             tokens = race(vals, keys, greedy, ids)  # [B] int64
         else:
             tokens = race(apply_filters(x, f) if f is not None else x, keys, greedy)  # [B] int64
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(logits, tokens, token_list, params))
+
+    def _use_fused(self, x: torch.Tensor, f: FilterParams) -> bool:
+        from halfbyte.kernels.sampling_candidates import MAX_CANDIDATES
+        from halfbyte.kernels.triton_utils import HAS_TRITON
+
+        if not HAS_TRITON or f.max_top_k > MAX_CANDIDATES:
+            return False
+        return use_triton(x) if self.fused is None else self.fused
+
+    @staticmethod
+    def _sample_fused(x: torch.Tensor, f: FilterParams, rows: _RowTensors) -> torch.Tensor:
+        """topk + one kernel: the same tokens as filter_candidates + race (tests/test_sampling_candidates.py)."""
+        from halfbyte.kernels.sampling_candidates import sample_candidates_triton
+
+        vals, ids = x.topk(f.max_top_k, dim=1)  # [B, K] descending
+        typical = rows.floats[:, 5] < 1.0 if f.typical_rows is not None else None
+        tokens, _ = sample_candidates_triton(vals, ids, f.top_k, rows.floats, rows.ints[:, 0], rows.ints[:, 2],
+                                             typical, f.use_top_p, f.use_min_p)
+        return tokens
 
     @torch.inference_mode()
     def filtered_logits(self, logits: torch.Tensor, seqs: Sequence[SampledSequence]) -> torch.Tensor:
