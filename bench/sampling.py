@@ -5,6 +5,9 @@ GPU: python bench/sampling.py [--rows 64] [--vocab 128256] [--context 512] [--js
   top-p, min-p, typical, repetition / frequency / presence penalties, logit bias, seeds) and
   without typical (the one filter that needs a full sort), then one Llama-3-8B 4-bit decode step
   at batch `rows` (random weights, CUDA graph), and prints the ratio (goal <= 5%).
+  "sample ..." is the default path (fused candidates kernel on CUDA), "old ..." the torch
+  filters + race (Sampler(fused=False)); "host ..." is the Python time of one call, the device
+  work left queued (see time_host).
 CPU: python bench/sampling.py --cpu   small shapes, sampler only."""
 
 from __future__ import annotations
@@ -45,14 +48,15 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_sampler(rows: int, vocab: int, context: int, typical: bool, steps: int, dev: torch.device) -> float:
+def time_sampler(rows: int, vocab: int, context: int, typical: bool, steps: int, dev: torch.device,
+                 fused: bool | None = None) -> float:
     """Seconds per Sampler.sample call (host work, kernels and reading the tokens back)."""
     gen = torch.Generator().manual_seed(0)
     seqs = []
     for i in range(rows):
         prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
         seqs.append(BenchSeq(make_params(i, typical), prompt, list(prompt)))
-    sampler = Sampler({0})
+    sampler = Sampler({0}, fused=fused)
     logits = torch.randn(rows, vocab, device=dev) * 3
     for _ in range(3):  # warm-up: compiles kernels, admits the rows' token-count slots
         for s, t in zip(seqs, sampler.sample(logits, seqs).token_ids, strict=True):
@@ -64,6 +68,31 @@ def time_sampler(rows: int, vocab: int, context: int, typical: bool, steps: int,
             s.token_ids.append(t)
     sync(dev)
     return (time.perf_counter() - start) / steps
+
+
+def time_host(rows: int, vocab: int, context: int, steps: int, dev: torch.device) -> float:
+    """Seconds of host (Python) time per call: Sampler.sample_async (everything but the token
+    read), its kernels left queued and synchronised outside the timed part."""
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    for i in range(rows):
+        prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
+        seqs.append(BenchSeq(make_params(i, True), prompt, list(prompt)))
+    sampler = Sampler({0})
+    logits = torch.randn(rows, vocab, device=dev) * 3
+    for _ in range(3):
+        for s, t in zip(seqs, sampler.sample(logits, seqs).token_ids, strict=True):
+            s.token_ids.append(t)
+    sync(dev)
+    total = 0.0
+    for _ in range(steps):
+        start = time.perf_counter()
+        sampler.sample_async(logits, seqs)
+        total += time.perf_counter() - start
+        sync(dev)
+        for s in seqs:
+            s.token_ids.append(1)
+    return total / steps
 
 
 def time_decode_step(rows: int, context: int, steps: int) -> float:
@@ -110,8 +139,12 @@ def main() -> None:
     else:
         dev, rows, vocab, context = torch.device("cuda"), args.rows, args.vocab, args.context
     results: dict[str, float] = {}
+    # new: the default path (the fused candidates kernel on CUDA); old: the torch filters + race
     results["sample all filters ms"] = 1e3 * time_sampler(rows, vocab, context, True, args.steps, dev)
     results["sample no typical ms"] = 1e3 * time_sampler(rows, vocab, context, False, args.steps, dev)
+    results["old all filters ms"] = 1e3 * time_sampler(rows, vocab, context, True, args.steps, dev, fused=False)
+    results["old no typical ms"] = 1e3 * time_sampler(rows, vocab, context, False, args.steps, dev, fused=False)
+    results["host all filters ms"] = 1e3 * time_host(rows, vocab, context, args.steps, dev)
     if not args.cpu:
         results["decode step ms"] = 1e3 * time_decode_step(rows, context, args.steps)
         results["ratio all filters %"] = 100 * results["sample all filters ms"] / results["decode step ms"]

@@ -94,3 +94,30 @@ def test_sampler_fused_path_equals_reference_path() -> None:
         for sa, sb, t in zip(fast, ref, a, strict=True):
             sa.token_ids.append(t)
             sb.token_ids.append(t)
+
+
+def test_position_keys_equal_row_key() -> None:
+    from halfbyte.kernels.sampling import position_keys, row_key, seed_key
+
+    seeds = [0, 1, 2**40 + 7, 2**62 - 1, 123456789]
+    positions = [0, 5, 2**31 + 3, 77, 4096]
+    got = position_keys(torch.tensor([seed_key(s) for s in seeds]), torch.tensor(positions))
+    assert got.tolist() == [row_key(s, p) for s, p in zip(seeds, positions, strict=True)]
+
+
+def test_batch_cache_follows_batch_changes() -> None:
+    """A changed batch (a row gone, a new one, another order) rebuilds the cached row tensors:
+    each row samples as it does alone."""
+    from halfbyte.engine.sampler import Sampler
+    from halfbyte.sampling_params import SamplingParams
+    from tests.test_sampling_reference import FakeSeq
+
+    vocab = 300
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1))
+    seqs = [FakeSeq(SamplingParams(temperature=1.0, top_k=10 + i, seed=i), [1, 2, 3]) for i in range(4)]
+    alone = [Sampler().sample(logits[i : i + 1], [s]).token_ids[0] for i, s in enumerate(seqs)]
+    sampler = Sampler()
+    assert sampler.sample(logits, seqs).token_ids == alone
+    order = [2, 0, 3]
+    assert sampler.sample(logits[order], [seqs[i] for i in order]).token_ids == [alone[i] for i in order]
+    assert sampler.sample(logits, seqs).token_ids == alone

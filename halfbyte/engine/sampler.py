@@ -19,7 +19,7 @@ import torch
 from halfbyte.engine.sampling_filters import FilterParams, apply_filters, filter_candidates
 from halfbyte.engine.token_state import SampledSequence, TokenStatePool
 from halfbyte.kernels.dispatch import use_triton
-from halfbyte.kernels.sampling import penalize, race, row_key
+from halfbyte.kernels.sampling import penalize, position_keys, race, seed_key
 from halfbyte.sampling_params import SamplingParams
 
 Logprobs = dict[int, float]  # token id -> logprob: the top-N and the sampled token
@@ -34,9 +34,31 @@ class SamplerOutput:
 @dataclass
 class _RowTensors:
     floats: torch.Tensor  # [B, 7] fp32: repetition, frequency, presence, 1/temperature, top_p, typical_p, min_p
-    ints: torch.Tensor  # [B, 3] int64: noise key, top_k (vocab where off), greedy
+    ints: torch.Tensor  # [B, 3] int64: seed key (kernels/sampling.seed_key), top_k (vocab where off), greedy
     host_floats: list[list[float]]
     host_ints: list[list[int]]
+    positions: torch.Tensor | None = None  # [B] int64 this step's positions (the noise key's other half)
+
+    def keys(self) -> torch.Tensor:
+        """[B] int64 noise keys: row_key(seed, position) computed on the device."""
+        assert self.positions is not None
+        return position_keys(self.ints[:, 0], self.positions)
+
+
+@dataclass
+class _BatchCache:
+    """The last batch's static row tensors: reused while the same sequences sample in the same
+    order (the steady state of decoding), so a step only sends its positions."""
+
+    refs: list[weakref.ref[Any]]
+    vocab: int
+    device: torch.device
+    rows: _RowTensors
+    filters: FilterParams | None
+
+    def matches(self, seqs: Sequence[SampledSequence], vocab: int, dev: torch.device) -> bool:
+        return (len(seqs) == len(self.refs) and vocab == self.vocab and dev == self.device
+                and all(r() is s for r, s in zip(self.refs, seqs, strict=True)))
 
 
 class Sampler:
@@ -48,6 +70,7 @@ class Sampler:
         self.eos_token_ids: set[int] = set(eos_token_ids or ())  # min_tokens suppresses these
         self._state: TokenStatePool | None = None
         self._seeds: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._batch: _BatchCache | None = None
 
     def _seed(self, seq: SampledSequence) -> int:
         if seq.params.seed is not None:
@@ -66,17 +89,21 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: Sequence[SampledSequence]) -> SamplerOutput:
         """logits [B, V] (any float dtype) for the batch's sampling sequences, in order."""
         params = [s.params for s in seqs]
-        x, f, rows = self._scaled_logits(logits, seqs)
-        keys, greedy = rows.ints[:, 0], rows.ints[:, 2] != 0
-        if f is not None and f.candidates_only and self._use_fused(x, f):
-            tokens = self._sample_fused(x, f, rows)
-        elif f is not None and f.candidates_only:  # the draw sees only [B, K] candidates
-            vals, ids = filter_candidates(x, f)
-            tokens = race(vals, keys, greedy, ids)  # [B] int64
-        else:
-            tokens = race(apply_filters(x, f) if f is not None else x, keys, greedy)  # [B] int64
+        tokens = self.sample_async(logits, seqs)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(logits, tokens, token_list, params))
+
+    @torch.inference_mode()
+    def sample_async(self, logits: torch.Tensor, seqs: Sequence[SampledSequence]) -> torch.Tensor:
+        """The tokens [B] int64 on the device, not read back (no host sync on the fused path)."""
+        x, f, rows = self._scaled_logits(logits, seqs)
+        if f is not None and f.candidates_only and self._use_fused(x, f):
+            return self._sample_fused(x, f, rows)
+        keys, greedy = rows.keys(), rows.ints[:, 2] != 0
+        if f is not None and f.candidates_only:  # the draw sees only [B, K] candidates
+            vals, ids = filter_candidates(x, f)
+            return race(vals, keys, greedy, ids)  # [B] int64
+        return race(apply_filters(x, f) if f is not None else x, keys, greedy)  # [B] int64
 
     def _use_fused(self, x: torch.Tensor, f: FilterParams) -> bool:
         from halfbyte.kernels.sampling_candidates import MAX_CANDIDATES
@@ -94,7 +121,7 @@ class Sampler:
         vals, ids = x.topk(f.max_top_k, dim=1)  # [B, K] descending
         typical = rows.floats[:, 5] < 1.0 if f.typical_rows is not None else None
         tokens, _ = sample_candidates_triton(vals, ids, f.top_k, rows.floats, rows.ints[:, 0], rows.ints[:, 2],
-                                             typical, f.use_top_p, f.use_min_p)
+                                             typical, f.use_top_p, f.use_min_p, positions=rows.positions)
         return tokens
 
     @torch.inference_mode()
@@ -109,9 +136,21 @@ class Sampler:
         vals, ids = filter_candidates(x, f)
         return torch.full_like(x, float("-inf")).scatter_(1, ids, vals)
 
+    def _rows_and_filters(self, seqs: Sequence[SampledSequence], vocab: int,
+                          dev: torch.device) -> tuple[_RowTensors, FilterParams | None]:
+        """Static row tensors and filter parameters (cached while the batch is the same sequences
+        in the same order), plus this step's positions: one small host-to-device copy per step."""
+        b = self._batch
+        if b is None or not b.matches(seqs, vocab, dev):
+            rows = self._row_tensors(seqs, vocab, dev)
+            b = self._batch = _BatchCache([weakref.ref(s) for s in seqs], vocab, dev, rows, self._filter_params(rows, vocab))
+        positions = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64).to(dev, non_blocking=True)
+        r = b.rows
+        return _RowTensors(r.floats, r.ints, r.host_floats, r.host_ints, positions), b.filters
+
     def _row_tensors(self, seqs: Sequence[SampledSequence], vocab: int, dev: torch.device) -> _RowTensors:
-        """Every per-row parameter in two host-to-device copies. Greedy rows take the argmax
-        whatever their filters say: their filters are off here."""
+        """Every static per-row parameter in two host-to-device copies. Greedy rows take the
+        argmax whatever their filters say: their filters are off here."""
         floats: list[list[float]] = []
         ints: list[list[int]] = []
         for s in seqs:
@@ -120,7 +159,7 @@ class Sampler:
             floats.append([p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
                            1.0 if g else 1.0 / p.temperature, 1.0 if g else p.top_p,
                            1.0 if g else p.typical_p, 0.0 if g else p.min_p])
-            ints.append([row_key(self._seed(s), len(s.token_ids)), p.top_k if 0 < p.top_k < vocab and not g else vocab, g])
+            ints.append([seed_key(self._seed(s)), p.top_k if 0 < p.top_k < vocab and not g else vocab, g])
         return _RowTensors(torch.tensor(floats, dtype=torch.float32, device=dev).reshape(-1, 7),
                            torch.tensor(ints, dtype=torch.int64, device=dev).reshape(-1, 3), floats, ints)
 
@@ -135,7 +174,7 @@ class Sampler:
             for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
                 for proc in p.logits_processors:
                     logits[i] = proc(list(seq.token_ids[len(seq.prompt_token_ids):]), logits[i])
-        rows = self._row_tensors(seqs, vocab, dev)
+        rows, filters = self._rows_and_filters(seqs, vocab, dev)
         if any(p.needs_token_state for p in params):
             pool = self._token_state(vocab, dev)
             slots = pool.slots_for(seqs)
@@ -143,7 +182,7 @@ class Sampler:
         else:
             x = logits.float() * rows.floats[:, 3:4]  # [B, V] fp32; a copy, never the model's buffer
         self._suppress_stops(x, seqs)
-        return x, self._filter_params(rows, vocab), rows
+        return x, filters, rows
 
     def _suppress_stops(self, x: torch.Tensor, seqs: Sequence[SampledSequence]) -> None:
         flat: list[int] = []

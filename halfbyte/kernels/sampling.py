@@ -39,11 +39,23 @@ def _fmix32_int(h: int) -> int:
     return h ^ (h >> 16)
 
 
+_POSITION_SALT = 0x27D4EB2F
+
+
+def seed_key(seed: int) -> int:
+    """The 32-bit part of a row's noise key that depends on its seed only (cached per request)."""
+    return _fmix32_int(_fmix32_int(((seed >> 32) + _GOLDEN) & _MASK32) ^ (seed & _MASK32))
+
+
 def row_key(seed: int, position: int) -> int:
     """The 32-bit noise key of a row from its seed and the position it samples (plain ints: the
     host's per-row cost stays a few microseconds)."""
-    k = _fmix32_int(_fmix32_int(((seed >> 32) + _GOLDEN) & _MASK32) ^ (seed & _MASK32))
-    return _fmix32_int(k ^ _fmix32_int((position & _MASK32) ^ 0x27D4EB2F))
+    return _fmix32_int(seed_key(seed) ^ _fmix32_int((position & _MASK32) ^ _POSITION_SALT))
+
+
+def position_keys(seed_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """row_key on device tensors: [B] int64 seed keys and positions -> [B] int64 noise keys."""
+    return _fmix32(seed_keys ^ _fmix32((positions & _MASK32) ^ _POSITION_SALT))
 
 
 def row_keys(seeds: list[int], positions: list[int]) -> list[int]:

@@ -30,9 +30,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _candidates_kernel(
-        vals_ptr, ids_ptr, top_k_ptr, floats_ptr, floats_stride, keys_ptr, greedy_ptr, typ_ptr,
+        vals_ptr, ids_ptr, top_k_ptr, floats_ptr, floats_stride, keys_ptr, pos_ptr, greedy_ptr, typ_ptr,
         out_tok_ptr, out_vals_ptr, K,
-        USE_TOP_P: tl.constexpr, USE_TYPICAL: tl.constexpr, USE_MIN_P: tl.constexpr, KP: tl.constexpr,
+        USE_TOP_P: tl.constexpr, USE_TYPICAL: tl.constexpr, USE_MIN_P: tl.constexpr, HAS_POS: tl.constexpr,
+        KP: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         pos = tl.arange(0, KP)
@@ -69,6 +70,9 @@ if HAS_TRITON:
         tl.store(out_vals_ptr + row * K + pos, x, mask=inb)
         tok = tl.load(ids_ptr + row * K + pos, mask=inb, other=0).to(tl.int64)
         key = tl.load(keys_ptr + row)
+        if HAS_POS:  # key = seed key: finish kernels/sampling.row_key with the row's position
+            p32 = (tl.load(pos_ptr + row) & 0xFFFFFFFF) ^ 0x27D4EB2F
+            key = _fmix32_c(key ^ _fmix32_c(p32))
         h = _fmix32_c(tok ^ key)
         h = _fmix32_c((h + key) & 0xFFFFFFFF)
         u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
@@ -84,11 +88,12 @@ def sample_candidates_triton(
     ids: torch.Tensor,  # [B, K] int64 their token ids
     top_k: torch.Tensor,  # [B] int64
     floats: torch.Tensor,  # [B, >= 7] fp32 row parameters (sampler's layout: top_p 4, typical 5, min_p 6)
-    keys: torch.Tensor,  # [B] int64
+    keys: torch.Tensor,  # [B] int64 noise keys, or seed keys (kernels/sampling.seed_key) with positions
     greedy: torch.Tensor,  # [B] bool / int
     typical_rows: torch.Tensor | None,  # [B] bool/int: rows with typical_p < 1; None = none
     use_top_p: bool,
     use_min_p: bool,
+    positions: torch.Tensor | None = None,  # [B] int64: keys are seed keys, the kernel finishes row_key
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (tokens [B] int64, filtered candidate logits [B, K] fp32)."""
     rows, k = vals.shape
@@ -104,8 +109,9 @@ def sample_candidates_triton(
     kp = max(16, next_power_of_2(k))
     _candidates_kernel[(rows,)](
         vals, ids, top_k.to(torch.int64).contiguous(), floats, floats.stride(0), keys.to(torch.int64).contiguous(),
+        positions.to(torch.int64).contiguous() if positions is not None else keys,
         greedy.to(torch.int32).contiguous(), typ.to(torch.int32).contiguous(), out_tok, out_vals, k,
-        USE_TOP_P=use_top_p, USE_TYPICAL=typical_rows is not None, USE_MIN_P=use_min_p, KP=kp,
+        USE_TOP_P=use_top_p, USE_TYPICAL=typical_rows is not None, USE_MIN_P=use_min_p, HAS_POS=positions is not None, KP=kp,
         num_warps=4 if kp <= 64 else 8,
     )
     return out_tok, out_vals
