@@ -41,6 +41,7 @@ class TokenStatePool:
         self._free = list(range(initial_slots - 1, 0, -1))
         self._released: list[int] = []
         self._rows: weakref.WeakKeyDictionary[Any, _RowState] = weakref.WeakKeyDictionary()
+        self._last_slots: tuple[list[int], torch.Tensor] | None = None  # the last batch's slot tensor
 
     def _alloc(self, slots: int) -> None:
         v, dev = self.vocab, self.device
@@ -124,4 +125,9 @@ class TokenStatePool:
                 0, torch.tensor(flat, dtype=torch.int64, device=self.device),
                 torch.tensor(delta, dtype=torch.int32, device=self.device),
             )
-        return torch.tensor(slots, dtype=torch.int32, device=self.device)
+        last = self._last_slots
+        if last is not None and last[0] == slots:  # the same batch as last step: no copy
+            return last[1]
+        out = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        self._last_slots = (slots, out)
+        return out
