@@ -5,7 +5,13 @@ of penalties, bias / allowed / banned ids and temperature (kernels/sampling.py) 
 suppression -> top-k / top-p / typical / min-p (engine/sampling_filters.py) -> the exponential
 race draw. The race's noise is a hash of (request seed, position, token id), so a seeded
 request samples the same tokens alone or in any batch. Host work is O(batch) per step; the
-one host sync is reading the tokens back (plus one when a top-p row needs the sort fallback)."""
+one host sync is reading the tokens back (plus one when a top-p row needs the sort fallback).
+
+When every sampling row has a top_k <= 256 (on CUDA), the filters and the draw are one Triton
+kernel on the [B, K] topk candidates (kernels/sampling_candidates.py): the same tokens as the
+torch path, which stays the definition (tests/test_sampling_candidates.py). The static row
+tensors are cached while the batch is the same sequences in the same order: a step sends its
+positions, and the noise keys are finished on the device."""
 
 from __future__ import annotations
 
