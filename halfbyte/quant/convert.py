@@ -4,8 +4,9 @@ mixed-bit allocation to a bits-per-weight budget.
 Two passes over the decoder layers, each holding one layer's weights and the calibration
 activations (the residual stream entering the layer, [tokens, hidden]):
 
-1. measure: every candidate setting (measure.default_candidates) of every matrix (fused qkv,
-   o_proj, fused gate_up, down_proj) is quantized against its Hessian and its relative error
+1. measure (block_error.measure_layer): every candidate setting (measure.default_candidates)
+   of every matrix (fused qkv, o_proj, fused gate_up, down_proj) is quantized against its
+   Hessian, and the error it causes in its block's output, relative to the residual stream, is
    recorded; the stream goes on through the float layer.
 2. after measure.allocate picks one candidate per matrix within the budget, quantize: GPTQ
    with the chosen settings, "true sequential" (o_proj's Hessian comes from the quantized qkv

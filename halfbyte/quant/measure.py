@@ -6,13 +6,11 @@ group 128") or EXL2-style mixed ("the first 25 % of the act-order columns at 5 b
 at 4"). With act-order the first stored columns are those with the largest input energy, so the
 high-bit slice goes where rounding errors cost most.
 
-The error of a candidate is GPTQ's proxy loss normalised by the layer's output energy:
-
-    rel_err = ||X (W - Wq)^T||^2_F / ||X W^T||^2_F
-
-the noise-to-signal power ratio of the layer's output on the calibration tokens. Normalising
-makes layers comparable (the residual stream grows with depth, so absolute errors are not);
-the optimiser minimises the sum of rel_err over all layers subject to the storage budget.
+measure_candidates gives a candidate's relative output error ||X (W - Wq)^T||^2 / ||X W^T||^2
+on the calibration tokens; the converter's measurement pass instead takes the quantized weights
+from candidate_weights and measures what they do to the residual stream (block_error.py), which
+predicts the model's loss far better. allocate minimises the sum of the errors within the
+storage budget.
 """
 
 from __future__ import annotations
