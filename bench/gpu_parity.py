@@ -55,14 +55,15 @@ def batch_equality(model_dir: Path, device: str, requests: int, max_tokens: int)
         return list(out.values())
 
     batched = LLMEngine(model_dir, device=device, dtype="float16",
-                        config=EngineConfig(max_batch_tokens=256, max_num_seqs=requests, max_model_len=2048))
+                        config=EngineConfig(max_batch_tokens=256, max_num_seqs=requests, max_model_len=2048,
+                                             kv_cache_tokens=65536))
     prompts = [batched.tokenizer.encode(f"Note {i}: " + " ".join(words[(i * 7 + j * (i % 5 + 1)) % len(words)]
                                                                   for j in range(3 + (i * 37) % 300)))
                for i in range(requests)]
     together = run(batched, prompts)
     del batched
     alone_engine = LLMEngine(model_dir, device=device, dtype="float16",
-                             config=EngineConfig(enable_prefix_caching=False, max_model_len=2048))
+                             config=EngineConfig(enable_prefix_caching=False, max_model_len=2048, kv_cache_tokens=8192))
     alone = [run(alone_engine, [p])[0] for p in prompts]
     firsts = [next((i for i, (a, b) in enumerate(zip(t, s)) if a != b), len(t)) for t, s in zip(together, alone)]
     return dict(requests=requests, identical_requests=sum(t == s for t, s in zip(together, alone)),
