@@ -2,8 +2,9 @@
 the measured device-to-device copy bandwidth, for Llama-3-8B and 70B layer shapes.
 
 Usage: python bench/gemv.py [--bits 4] [--group 128] [--sweep] [--json OUT]
-Times the generic kernel at its defaults and, at 4 bits, the fp16x2 kernel (gemv_w4; --sweep
-tries its tile / split / warp settings per shape) in the same run."""
+Times the generic kernel at its defaults and, at 4 bits, the fp16x2 kernels in the same run:
+gemv_w4 for one row, gemm_w4 (tensor cores) for 16 and 64 rows; --sweep tries their tile /
+split / warp settings per shape (--sweep-rows: only gemm_w4's)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from halfbyte.kernels import gemv_w4  # noqa: E402
+from halfbyte.kernels import gemm_w4, gemv_w4  # noqa: E402
 from halfbyte.kernels.quant_gemv import gemv_triton  # noqa: E402
 from halfbyte.kernels.quant_matmul import quant_matmul_ref, quant_matmul_triton  # noqa: E402
 
@@ -80,8 +81,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--sweep", action="store_true", help="try tile / split / warp settings per shape")
-    ap.add_argument("--sweep16", action="store_true", help="sweep only the 16-row settings")
-    ap.add_argument("--sweep64", action="store_true", help="sweep only the 64-row settings")
+    ap.add_argument("--sweep-rows", action="store_true", help="sweep only the 16- and 64-row (gemm_w4) settings")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -123,34 +123,29 @@ def main() -> None:
         row = dict(shape=name, n=n, k=k, bytes=nbytes, t1_us=t1 * 1e6, gbs=nbytes / t1 / 1e9,
                    pct_4161=100 * nbytes / t1 / 1e9 / GPU_MD_COPY_GBS,
                    pct_copy=100 * nbytes / t1 / 1e9 / copy_gbs, t16_over_t1=t16 / t1, rel_err=max(err, err16))
-        if args.bits == 4 and gemv_w4.supports(x16, 4, args.group):
+        if args.bits == 4 and gemm_w4.supports(x16, 4, args.group):
+            # one row: gemv_w4 (weight streaming); 16 and 64 rows: gemm_w4 (tensor cores)
             new = lambda x, q, s_, m_, **c: gemv_w4.gemv_w4(x, q, s_, m_, args.group, **c)  # noqa: E731
-            grid1, grid16 = [{}], [{}]
+            mma = lambda x, q, s_, m_, **c: gemm_w4.gemm_w4(x, q, s_, m_, args.group, **c)  # noqa: E731
+            grid1, grid_m = [{}], [{}]
             if args.sweep:
-                grid1 = [{}] + [dict(block_n=bn, block_kw=kw, split_k=sk, num_stages=st)
-                                for bn, kw, sk, st in itertools.product((64, 128), (32, 64), (None, 16), (2, 4))]
-                grid16 = [{}] + [dict(block_n=bn, num_warps=w, num_stages=st, split_k=sk)
-                                 for bn, w, st, sk in itertools.product((128, 256), (4, 8), (3, 4), (None, 8))]
-            if args.sweep16:
-                grid16 = [{}] + [dict(block_n=bn, num_warps=w, num_stages=3, split_k=sk, one_dot=od)
-                                 for bn, w, sk, od in itertools.product((128, 256), (4, 8), (None, 4), (False, True))]
-            best1, best16 = pick(new, grid1, x1, ref1), pick(new, grid16, x16, ref16)
-            if best1 is None or best16 is None:
-                raise SystemExit(f"{name}: every gemv_w4 config failed (see stderr)")
-            (cfg, w1, e1), (cfg16, w16, e16) = best1, best16
+                grid1 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_stages=st)
+                          for bn, kw, sk, st in itertools.product((64, 128), (32, 64), (None, 16), (2, 4))]
+            if args.sweep or args.sweep_rows:
+                grid_m += [dict(block_n=bn, block_kw=kw, num_warps=w, num_stages=st)
+                           for bn, kw, w, st in itertools.product((64, 128, 256), (16, 32), (4, 8), (3, 4))]
+                grid_m += [dict(block_n=bn, split_k=2) for bn in (64, 128, 256)]
+            best1 = pick(new, grid1, x1, ref1)
             x64 = torch.randn(64, k, device="cuda", dtype=torch.float16)
-            grid64 = [{}]
-            if args.sweep or args.sweep64:
-                grid64 += [dict(block_n=bn, num_warps=w, num_stages=st, split_k=sk, one_dot=od)
-                           for bn, w, st, sk, od in itertools.product((128, 256), (4, 8), (3,), (None, 4), (False, True))]
-            best64 = pick(new, grid64, x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
-            row["w4_t64_us"] = best64[1] * 1e6 if best64 else float("nan")
-            row["w4_config64"] = best64[0] if best64 else None
-            row["w4_t64_default_us"] = (pick(new, [{}], x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
-                                        or (None, float("nan")))[1] * 1e6
+            best16 = pick(mma, grid_m, x16, ref16)
+            best64 = pick(mma, grid_m, x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
+            if best1 is None or best16 is None or best64 is None:
+                raise SystemExit(f"{name}: every 4-bit config failed (see stderr)")
+            (cfg, w1, e1), (cfg16, w16, e16), (cfg64, w64, e64) = best1, best16, best64
             row.update(w4_t1_us=w1 * 1e6, w4_pct_copy=100 * nbytes / w1 / 1e9 / copy_gbs,
                        w4_gbs=nbytes / w1 / 1e9, w4_pct_4161=100 * nbytes / w1 / 1e9 / GPU_MD_COPY_GBS, w4_t16_us=w16 * 1e6,
-                       w4_t16_over_t1=w16 / w1, w4_rel_err=max(e1, e16), w4_config=cfg, w4_config16=cfg16)
+                       w4_t16_over_t1=w16 / w1, w4_t64_us=w64 * 1e6, w4_rel_err=max(e1, e16, e64),
+                       w4_config=cfg, w4_config16=cfg16, w4_config64=cfg64)
         dense = [(torch.randn(n, k, device="cuda", dtype=torch.float16),) for _ in range(max(1, -(-240_000_000 // (n * k * 2))))]
         row["fp16_linear_us"] = rotated_time(lambda w: torch.nn.functional.linear(x1, w), dense) * 1e6
         del dense, copies
@@ -168,7 +163,6 @@ def main() -> None:
               if "w4_t1_us" in r else f"{'-':>10}{'-':>10}{'-':>7}{'-':>10}")
         print(f"{r['shape']:<12}{r['t1_us']:>8.1f}{r['pct_copy']:>7.1f}{r['t16_over_t1']:>8.2f}{w4}{r.get('w4_t64_us', 0):>10.1f}"
               f"{r['fp16_linear_us']:>9.1f}  {r.get('w4_config')} | {r.get('w4_config16')} | {r.get('w4_config64')}")
-
 
 if __name__ == "__main__":
     main()

@@ -59,27 +59,53 @@ def test_dequantize_t(bits: int) -> None:
     assert rel_err(out.t(), dequantize_ref(qweight, scales, mins, bits, group, k)) <= 1e-3
 
 
-@pytest.mark.parametrize("m,n,k,group", [(1, 96, 576, 128), (1, 300, 1536, 32), (1, 64, 4096, 64), (4, 64, 1024, 128),
-                                         (16, 130, 512, 128), (7, 200, 1152, 128), (29, 64, 512, 128), (64, 96, 256, 128)])
-def test_gemv_w4(m: int, n: int, k: int, group: int) -> None:
-    """The fp16x2 4-bit kernel (on the GPU its PTX path) against the reference, poisoned outputs."""
-    qweight, scales, mins = random_packed(n, k, 4, group, seed=n + m)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)).half().to(DEVICE)
+@pytest.mark.parametrize("n,k,group", [(96, 576, 128), (300, 1536, 32), (64, 4096, 64)])
+def test_gemv_w4(n: int, k: int, group: int) -> None:
+    """The fp16x2 4-bit kernel for one row (on the GPU its PTX path) against the reference, poisoned outputs."""
+    qweight, scales, mins = random_packed(n, k, 4, group, seed=n + 1)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + 1)).half().to(DEVICE)
     assert gemv_w4.supports(x, 4, group)
     ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
-    configs = ((1, 64, 8), (3, 128, 16), (None, None, None)) if m == 1 else ((1, 32, 16), (3, 64, 16), (None, None, None))
-    for split_k, block_n, block_kw in configs:
-        torch.empty(m, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))  # poison the allocator's next block
-        for weight_a, one_dot in ((False, False), (True, False), (True, True)) if m > 1 else ((False, False),):
-            out = gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=split_k, block_n=block_n,
-                                  block_kw=block_kw, weight_a=weight_a, one_dot=one_dot)
-            assert out.dtype == torch.float16 and out.shape == (m, n)
-            assert rel_err(out, ref) <= 1e-3, (split_k, block_n, weight_a, one_dot, rel_err(out, ref))
+    for split_k, block_n, block_kw in ((1, 64, 8), (3, 128, 16), (None, None, None)):
+        torch.empty(1, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))  # poison the allocator's next block
+        out = gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=split_k, block_n=block_n, block_kw=block_kw)
+        assert out.dtype == torch.float16 and out.shape == (1, n)
+        assert rel_err(out, ref) <= 1e-3, (split_k, block_n, rel_err(out, ref))
 
 
 def test_gemv_w4_declines_what_it_cannot_do() -> None:
     x = torch.randn(1, 576).half()
     assert not gemv_w4.supports(x.float(), 4, 128)  # fp16 only
     assert not gemv_w4.supports(x, 3, 128)
-    assert not gemv_w4.supports(torch.randn(2, 576).half(), 4, 64)  # several rows need 128-k groups
+    assert not gemv_w4.supports(torch.randn(2, 576).half(), 4, 64)  # several rows: gemm_w4
     assert not gemv_w4.supports(torch.randn(1, 577).half()[:, 1:], 4, 128)  # misaligned view
+
+
+@pytest.mark.parametrize("m,n,k,group", [(2, 96, 256, 128), (16, 130, 512, 64), (29, 64, 1024, 256), (64, 200, 384, 32)])
+def test_gemm_w4(m: int, n: int, k: int, group: int) -> None:
+    """The tensor-core 4-bit kernel for 2-64 rows (on the GPU its PTX path) against the
+    reference, outputs poisoned; tiles inside one group and spanning several, split and unsplit K."""
+    from halfbyte.kernels import gemm_w4
+
+    qweight, scales, mins = random_packed(n, k, 4, group, seed=n + m + 1)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m + 1)).half().to(DEVICE)
+    assert gemm_w4.supports(x, 4, group)
+    ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
+    for split_k, block_n, block_kw in ((1, 64, 16), (2, 32, 16), (None, None, 32), (None, 128, None)):
+        if k % (8 * block_kw if block_kw else 128):
+            continue
+        torch.empty(m, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))  # poison the allocator's next block
+        out = gemm_w4.gemm_w4(x, qweight, scales, mins, group, split_k=split_k, block_n=block_n, block_kw=block_kw)
+        assert out.dtype == torch.float16 and out.shape == (m, n)
+        assert rel_err(out, ref) <= 1e-3, (split_k, block_n, block_kw, rel_err(out, ref))
+
+
+def test_gemm_w4_declines_what_it_cannot_do() -> None:
+    from halfbyte.kernels import gemm_w4
+
+    qweight, scales, mins = random_packed(64, 576, 4, 64, seed=3)
+    with pytest.raises(ValueError, match="gemm_w4"):  # 576 is not a whole number of 128-k tiles
+        gemm_w4.gemm_w4(torch.randn(4, 576).half().to(DEVICE), qweight, scales, mins, 64)
+    assert not gemm_w4.supports(torch.randn(1, 512).half(), 4, 128)  # one row: gemv_w4's job
+    assert not gemm_w4.supports(torch.randn(4, 512), 4, 128)  # fp16 only
+    assert not gemm_w4.supports(torch.randn(4, 512).half(), 3, 128)

@@ -1,4 +1,4 @@
-"""4-bit weight-streaming matmul for 1-64 fp16 rows (decode), dequantizing with fp16x2 bit tricks.
+"""4-bit weight-streaming GEMV for one fp16 row (batch-1 decode), dequantizing with fp16x2 bit tricks.
 
 Why a separate kernel: at 4 bits the generic kernel (quant_gemv.py) spends ~5 integer/float
 instructions per weight (shift, mask, or, subtract, FMA), more than the SMs issue while the
@@ -8,9 +8,9 @@ fp16 values 1024 + q (or 1024 + 16q) at once, one f16x2 op makes them q - 8 exac
 
 Meaning, per output n (the format of docs/format.md, bits = 4):
     y[n] = sum_g  s[g, n] * sum_{k in g} (q[n, k] - 8) * x[k]  +  (m[g, n] + 8 s[g, n]) * sum_{k in g} x[k]
-which equals x @ dequant(W)^T. Centring q on 8 keeps the fp16 partial sums small; M = 1 sums
-the 8 products of one word in fp16 (4 per half) before fp32 (measured rel. error ~3e-4 vs
-2e-4 for the fp16 output rounding alone); M > 1 goes through tl.dot with fp32 accumulation.
+which equals x @ dequant(W)^T. Centring q on 8 keeps the fp16 partial sums small; the 8
+products of one word are summed in fp16 (4 per half) before fp32 (measured rel. error ~3e-4 vs
+2e-4 for the fp16 output rounding alone). Several rows: gemm_w4.py (tensor cores).
 
 A word holds k = 8r .. 8r+7; value j sits in bits 4j..4j+3. The f16x2 trick pairs values
 (0, 4), (1, 5), (2, 6), (3, 7): the x pairs are built the same way. Triton's interpreter (CI)
@@ -59,22 +59,10 @@ _DOT8_ASM = (
 }"""
 )
 
-_UNPACK8_ASM = (
-    "{\n .reg .b32 m1032, inv16, m72, top, q04, q15, q26, q37;\n"
-    + _DEQUANT_PTX.format(w="$8")
-    + """
-    mov.b32 {$0, $4}, q04;
-    mov.b32 {$1, $5}, q15;
-    mov.b32 {$2, $6}, q26;
-    mov.b32 {$3, $7}, q37;
-}"""
-)
-
 
 if HAS_TRITON:
     # jit functions read module globals only as constexprs
     DOT8_ASM = tl.constexpr(_DOT8_ASM)
-    UNPACK8_ASM = tl.constexpr(_UNPACK8_ASM)
 
     @triton.jit
     def _nibble(uw, j: tl.constexpr):
@@ -150,102 +138,6 @@ if HAS_TRITON:
         total = tl.sum(acc, axis=0)[None, :]
         _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K)
 
-    @triton.jit
-    def _dot_acc(d, xs, q, x_base, x_mask, j: tl.constexpr, WEIGHT_A: tl.constexpr):
-        """Adds value j's products to d and x's sums to xs (q: value j of every word, q - 8 in fp16)."""
-        xj = tl.load(x_base + j, mask=x_mask, other=0.0)
-        if WEIGHT_A:
-            d += tl.dot(q, xj)
-            xs += tl.sum(xj.to(tl.float32), axis=0)
-        else:
-            d += tl.dot(xj, q)
-            xs += tl.sum(xj.to(tl.float32), axis=1)
-        return d, xs
-
-    @triton.jit
-    def _one_dot(q0, q1, q2, q3, q4, q5, q6, q7, x_ptr, rm, m_mask, K, w_row, row_ok,
-                 BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
-        """The eight value planes of a word tile joined into one [BLOCK_N, 8 * BLOCK_KW] operand.
-        tl.join nests: column 8r + 4i + 2s + t holds value j = 4t + 2s + i of word r (j's bits
-        reversed); x is gathered in the same order, so the dot needs no interleave. Weight-A form only."""
-        w = tl.join(tl.join(tl.join(q0, q1), tl.join(q2, q3)), tl.join(tl.join(q4, q5), tl.join(q6, q7)))
-        w = tl.reshape(w, [BLOCK_N, 8 * BLOCK_KW])
-        lane = tl.arange(0, 8)
-        j_of_lane = (lane % 2) * 4 + ((lane // 2) % 2) * 2 + lane // 4
-        k_of_c = tl.reshape((w_row * 8)[:, None] + j_of_lane[None, :], [8 * BLOCK_KW])
-        ok = tl.reshape(tl.broadcast_to(row_ok[:, None], [BLOCK_KW, 8]), [8 * BLOCK_KW])
-        xt = tl.load(x_ptr + rm[None, :] * K + k_of_c[:, None], mask=ok[:, None] & m_mask[None, :], other=0.0)
-        return tl.dot(w, xt), tl.sum(xt.to(tl.float32), axis=0)  # [BLOCK_N, BLOCK_M], x's sums [BLOCK_M]
-
-    @triton.jit
-    def _gemv_w4_mn_kernel(
-        x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
-        M, N, K, k_per_split,
-        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
-        USE_ASM: tl.constexpr, WEIGHT_A: tl.constexpr, BLOCK_M: tl.constexpr, ONE_DOT: tl.constexpr,
-    ):
-        # BLOCK_KW * 8 divides GROUP: one group per tile, scales applied after the dots.
-        # WEIGHT_A: the weight tile is tl.dot's first operand (out^T = W x^T), which Hopper's MMA can
-        # take from registers; otherwise it is the second (out = x W^T), staged through shared memory.
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = rn < N
-        rm = tl.arange(0, BLOCK_M)
-        m_mask = rm < M
-        rw = tl.arange(0, BLOCK_KW)
-        k_start = pid_k * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
-        if WEIGHT_A:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_KW * 8):
-            w_row = k0 // 8 + rw
-            row_ok = w_row * 8 < k_end
-            if WEIGHT_A:  # words [BLOCK_N, KW], x^T [KW, BLOCK_M]: x[m, 8r]
-                words = tl.load(qw_ptr + (w_row * N)[None, :] + rn[:, None], mask=row_ok[None, :] & n_mask[:, None], other=0)
-                x_base = x_ptr + rm[None, :] * K + (w_row * 8)[:, None]
-                x_mask = m_mask[None, :] & row_ok[:, None]
-            else:  # words [KW, BLOCK_N], x [BLOCK_M, KW]
-                words = tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=row_ok[:, None] & n_mask[None, :], other=0)
-                x_base = x_ptr + rm[:, None] * K + (w_row * 8)[None, :]
-                x_mask = m_mask[:, None] & row_ok[None, :]
-            if USE_ASM:
-                q0, q1, q2, q3, q4, q5, q6, q7 = tl.inline_asm_elementwise(
-                    UNPACK8_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
-                    dtype=(tl.float16,) * 8, is_pure=True, pack=1,
-                )
-            else:
-                uw = words.to(tl.uint32, bitcast=True)
-                q0, q1, q2, q3 = _nibble(uw, 0), _nibble(uw, 1), _nibble(uw, 2), _nibble(uw, 3)
-                q4, q5, q6, q7 = _nibble(uw, 4), _nibble(uw, 5), _nibble(uw, 6), _nibble(uw, 7)
-            if ONE_DOT:  # one K = 8 * BLOCK_KW dot instead of eight K = BLOCK_KW ones
-                d, xs = _one_dot(q0, q1, q2, q3, q4, q5, q6, q7, x_ptr, rm, m_mask, K, w_row, row_ok,
-                                 BLOCK_N, BLOCK_KW)
-            else:
-                d = tl.zeros(acc.shape, dtype=tl.float32)
-                xs = tl.zeros([BLOCK_M], dtype=tl.float32)
-                d, xs = _dot_acc(d, xs, q0, x_base, x_mask, 0, WEIGHT_A)
-                d, xs = _dot_acc(d, xs, q1, x_base, x_mask, 1, WEIGHT_A)
-                d, xs = _dot_acc(d, xs, q2, x_base, x_mask, 2, WEIGHT_A)
-                d, xs = _dot_acc(d, xs, q3, x_base, x_mask, 3, WEIGHT_A)
-                d, xs = _dot_acc(d, xs, q4, x_base, x_mask, 4, WEIGHT_A)
-                d, xs = _dot_acc(d, xs, q5, x_base, x_mask, 5, WEIGHT_A)
-                d, xs = _dot_acc(d, xs, q6, x_base, x_mask, 6, WEIGHT_A)
-                d, xs = _dot_acc(d, xs, q7, x_base, x_mask, 7, WEIGHT_A)
-            g = k0 // GROUP
-            s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
-            m = tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32) + 8.0 * s
-            if WEIGHT_A:
-                acc += d * s[:, None] + m[:, None] * xs[None, :]
-            else:
-                acc += d * s[None, :] + xs[:, None] * m[None, :]
-        if WEIGHT_A:
-            _write_out(tl.trans(acc), out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n, pid_k, SPLIT_K)
-        else:
-            _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n, pid_k, SPLIT_K)
-
 
 # (N, K) -> (block_n, block_kw, split_k or None for about two waves, stages, warps): the H200
 # sweep's winners for Llama-3 8B / 70B shapes (bench/gemv.py --sweep; BENCHMARKS.md)
@@ -261,76 +153,40 @@ _M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int]] = {
 }
 
 
-# More than 16 rows: (block_n, split_k or None, warps, stages) by (N, K), from the H200 64-row
-# sweep (bench/gemv.py --sweep64, 2026-12-03). 4 warps with a 256 x 64 fp32 accumulator spilled
-# registers: 4-5x slower (8B gate_up 657 us -> 136 us with 8 warps).
-_MN_TUNED: dict[tuple[int, int], tuple[int, int | None, int, int]] = {
-    (6144, 4096): (256, 4, 8, 3),  # 8B qkv
-    (4096, 4096): (128, 4, 8, 3),  # 8B o
-    (28672, 4096): (256, None, 8, 3),  # 8B gate_up
-    (4096, 14336): (256, None, 8, 3),  # 8B down
-}
-
-
 def _use_asm() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-MAX_ROWS = 64  # a decode batch: the weight is still read once, the dot work grows with M
-
-
 def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
-    """Whether gemv_w4 handles this call: 4 bits, fp16 rows (4-byte aligned: x is read as half2
-    pairs), K in whole words, and for more than one row groups that hold whole 128-k tiles."""
+    """Whether gemv_w4 handles this call: one fp16 row (4-byte aligned: x is read as half2
+    pairs), 4 bits, K in whole words. Several rows go to gemm_w4 (tensor cores)."""
     m, k = x.shape
-    return (
-        bits == 4 and x.dtype == torch.float16 and m <= MAX_ROWS and k % 8 == 0 and x.data_ptr() % 4 == 0
-        and (m == 1 or group_size % 128 == 0)
-    )
+    return bits == 4 and x.dtype == torch.float16 and m == 1 and k % 8 == 0 and x.data_ptr() % 4 == 0
 
 
 def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, weight_a: bool = True, one_dot: bool = False,
+    num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
-    """x [M <= 64, K] fp16 -> [M, N] fp16."""
-    m, k = x.shape
+    """x [1, K] fp16 -> [1, N] fp16."""
+    k = x.shape[1]
     assert supports(x, 4, group_size), (x.shape, x.dtype, group_size)
     n = qweight.shape[1]
     assert (k // 8) * n < 2**31, "word offsets are int32"
-    x = x.contiguous()
-    if m == 1:
-        tuned = _M1_TUNED.get((n, k))
-        if tuned is None:  # untuned shapes: what won most often
-            tuned = (64, 32, None, 4, 4) if n * k >= 32 * 2**20 else (128, 64, None, 4, 4)
-        block_n = block_n or tuned[0]
-        block_kw = block_kw or tuned[1]
-        split_k = split_k if split_k is not None else tuned[2]
-        num_stages = num_stages or tuned[3]
-        num_warps = num_warps or tuned[4]
-    elif m <= 16:
-        block_n, block_kw, num_warps = block_n or 256, block_kw or 16, num_warps or 4
-        num_stages = num_stages or 3
-    else:
-        tuned_mn = _MN_TUNED.get((n, k), (128 if n <= 4096 else 256, None, 8, 3))
-        block_n, block_kw = block_n or tuned_mn[0], block_kw or 16
-        split_k = split_k if split_k is not None else tuned_mn[1]
-        num_warps, num_stages = num_warps or tuned_mn[2], num_stages or tuned_mn[3]
-    if m > 1:
-        if group_size % (block_kw * 8):
-            raise ValueError(f"block_kw {block_kw} must tile group {group_size}")
-    num_stages = num_stages or 2
+    tuned = _M1_TUNED.get((n, k))
+    if tuned is None:  # untuned shapes: what won most often
+        tuned = (64, 32, None, 4, 4) if n * k >= 32 * 2**20 else (128, 64, None, 4, 4)
+    block_n = block_n or tuned[0]
+    block_kw = block_kw or tuned[1]
+    split_k = split_k if split_k is not None else tuned[2]
+    num_stages = num_stages or tuned[3]
+    num_warps = num_warps or tuned[4]
     col_blocks = triton.cdiv(n, block_n)
-    split_k, k_per_split, out, partial, counters = split_k_launch(x, n, block_kw * 8, col_blocks, split_k)
-    args = (x, qweight, scales, mins, out, partial, counters)
-    common = dict(GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, USE_ASM=_use_asm(),
-                  num_warps=num_warps, num_stages=num_stages)
-    if m == 1:
-        _gemv_w4_m1_kernel[(col_blocks, split_k)](*args, n, k, k_per_split, **common)
-    else:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        _gemv_w4_mn_kernel[(col_blocks, split_k)](
-            *args, m, n, k, k_per_split, WEIGHT_A=weight_a or one_dot, BLOCK_M=block_m, ONE_DOT=one_dot, **common
-        )
+    split_k, k_per_split, out, partial, counters = split_k_launch(x.contiguous(), n, block_kw * 8, col_blocks, split_k)
+    _gemv_w4_m1_kernel[(col_blocks, split_k)](
+        x.contiguous(), qweight, scales, mins, out, partial, counters, n, k, k_per_split,
+        GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, USE_ASM=_use_asm(),
+        num_warps=num_warps, num_stages=num_stages,
+    )
     return out

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from halfbyte.kernels import gemv_w4
+from halfbyte.kernels import gemm_w4, gemv_w4
 from halfbyte.kernels.dispatch import use_triton
 from halfbyte.kernels.quant_gemv import gemv_triton
 from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
@@ -151,11 +151,15 @@ def quant_matmul(
 ) -> torch.Tensor:
     """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype (fp32 accumulation): the weight-streaming
     kernel for decode-sized M (its fp16x2 4-bit form where it applies; HALFBYTE_W4_KERNEL=generic
-    compares against the generic one), tiles for mid-sized M, dequantize + cuBLAS for prefill."""
+    compares against the generic one), at 4 bits tensor cores for 2-64 rows (gemm_w4), tiles for
+    mid-sized M, dequantize + cuBLAS for prefill."""
     if use_triton(x):
         m = x.shape[0]
-        if gemv_w4.supports(x, bits, group_size) and os.environ.get("HALFBYTE_W4_KERNEL") != "generic":
-            return gemv_w4.gemv_w4(x, qweight, scales, mins, group_size)
+        if os.environ.get("HALFBYTE_W4_KERNEL") != "generic":
+            if gemv_w4.supports(x, bits, group_size):
+                return gemv_w4.gemv_w4(x, qweight, scales, mins, group_size)
+            if gemm_w4.supports(x, bits, group_size):
+                return gemm_w4.gemm_w4(x, qweight, scales, mins, group_size)
         if m <= 16 and 32 % bits == 0:
             return gemv_triton(x, qweight, scales, mins, bits, group_size)
         if m <= DENSE_THRESHOLD_M:
