@@ -1,6 +1,12 @@
-"""Turning a scheduled batch into device tensors, running the model, sampling a token per sequence."""
+"""Turning a scheduled batch into device tensors, running the model, sampling a token per sequence.
+
+On CUDA a batch whose new tokens fit the largest decode graph replays it, one row per token
+(token_rows.py): decodes, and extends such as a prefix-cache hit's few new tokens.
+HALFBYTE_GRAPH_EXTEND=0 keeps extends eager (for comparisons)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -8,6 +14,8 @@ from halfbyte.engine.cuda_graphs import CudaGraphDecoder
 from halfbyte.engine.kv_cache import PagePool
 from halfbyte.engine.sampler import Logprobs, Sampler
 from halfbyte.engine.scheduler import ScheduledBatch
+from halfbyte.engine.sequence import Sequence
+from halfbyte.engine.token_rows import MAX_ROW_CONTEXT, row_context, token_rows
 from halfbyte.kernels.attention import AttentionMetadata
 from halfbyte.model.llama import LlamaModel
 
@@ -17,12 +25,19 @@ def _first_if_consecutive(pages: list[int]) -> int | None:
         range(pages[0], pages[-1] + 1)) else None
 
 
+def _block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    """[B, max pages] int32, zero-padded."""
+    width = max(len(s.block_table) for s in seqs)
+    return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32, device=device)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: PagePool, max_num_seqs: int, max_model_len: int) -> None:
         self.model = model
         self.pool = pool
         self.device = model.device
         self.graphs: CudaGraphDecoder | None = None
+        self.graph_extend = os.environ.get("HALFBYTE_GRAPH_EXTEND", "1") != "0"  # extends through the graphs
         self.sampler = Sampler()  # the engine sets sampler.eos_token_ids (min_tokens suppresses them)
         self.last_logprobs: list[Logprobs | None] = []  # per token of the last step(), when asked
         # dynamic NTK changes frequencies with the sequence length: no fixed graph for it
@@ -44,13 +59,11 @@ class ModelRunner:
             slots.extend(seq.block_table[p // page] * page + p % page for p in span)
             query_start.append(len(ids))
             seq_lens.append(start + n)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
         dev = self.device
         meta = AttentionMetadata(
             query_start=query_start,
             seq_lens=seq_lens,
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            block_tables=_block_tables(batch.seqs, dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             contiguous_from=[_first_if_consecutive(s.block_table) for s in batch.seqs],
         )
@@ -65,15 +78,39 @@ class ModelRunner:
         """fp32 logits [S, vocab] at the last token of each sequence that samples this step
         (batch.samples); marks the batch's tokens cached."""
         self.pool.apply_copies()  # prefix-cache and copy-on-write pages, before any write
+        if self.graphs is not None and self._fits_graph(batch):
+            rows = token_rows(batch, self.pool.page_size)
+            input_ids, positions, meta = rows.prepare(_block_tables(batch.seqs, self.device))
+            self._mark_computed(batch)
+            logits = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.device_seq_lens())
+            if len(rows.sample_rows) == rows.num_rows:  # every row samples (a decode step): all of them
+                return logits
+            return logits[torch.tensor(rows.sample_rows, dtype=torch.long, device=self.device)]
         input_ids, positions, meta = self._prepare(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-        if self.graphs is not None and meta.is_decode and self.graphs.bucket(meta.num_seqs) is not None:
-            return self.graphs.run(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.device_seq_lens())
+        self._mark_computed(batch)
         hidden = self.model(input_ids, positions, self.pool.kv_caches, meta)
         # a sequence mid-prefill has no next token yet: only finished chunks reach the LM head
         last = [meta.query_start[i + 1] - 1 for i, s in enumerate(batch.samples) if s]
         return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.long, device=self.device)])
+
+    def _fits_graph(self, batch: ScheduledBatch) -> bool:
+        """Whether the batch's tokens, one row each, fit a decode graph (and are worth it)."""
+        graphs = self.graphs
+        assert graphs is not None
+        if graphs.bucket(batch.num_tokens) is None:
+            return False
+        if max(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)) > graphs.max_seq_len:
+            return False
+        if max(len(s.block_table) for s in batch.seqs) > graphs.max_pages:
+            return False
+        if batch.num_tokens == len(batch.seqs):  # one token per sequence: decodes (1-token chunks too)
+            return True
+        return self.graph_extend and row_context(batch) <= MAX_ROW_CONTEXT
+
+    @staticmethod
+    def _mark_computed(batch: ScheduledBatch) -> None:
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
 
     def step(self, batch: ScheduledBatch) -> list[int]:
         """One token per sampling sequence of the batch, in batch order."""
