@@ -135,10 +135,12 @@ def main() -> None:
                 grid_m += [dict(block_n=bn, block_kw=kw, num_warps=w, num_stages=st)
                            for bn, kw, w, st in itertools.product((64, 128, 256), (16, 32), (4, 8), (3, 4))]
                 grid_m += [dict(block_n=bn, split_k=2) for bn in (64, 128, 256)]
+            grid64 = grid_m + [dict(block_n=bn, block_m=bm, num_warps=w) for bn, bm, w in
+                               itertools.product((64, 128, 256), (16, 32), (4, 8))] if args.sweep or args.sweep_rows else grid_m
             best1 = pick(new, grid1, x1, ref1)
             x64 = torch.randn(64, k, device="cuda", dtype=torch.float16)
             best16 = pick(mma, grid_m, x16, ref16)
-            best64 = pick(mma, grid_m, x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
+            best64 = pick(mma, grid64, x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
             if best1 is None or best16 is None or best64 is None:
                 raise SystemExit(f"{name}: every 4-bit config failed (see stderr)")
             (cfg, w1, e1), (cfg16, w16, e16), (cfg64, w64, e64) = best1, best16, best64

@@ -72,9 +72,10 @@ if HAS_TRITON:
         T: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = rn < N
-        rm = tl.arange(0, BLOCK_M)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = rm < M
         rw = tl.arange(0, BLOCK_KW)
         k_start = pid_k * k_per_split
@@ -111,7 +112,8 @@ if HAS_TRITON:
             acc = _acc_plane(acc, w5, xp_ptr, x_offs, x_mask, 5, BLOCK_KW)
             acc = _acc_plane(acc, w6, xp_ptr, x_offs, x_mask, 6, BLOCK_KW)
             acc = _acc_plane(acc, w7, xp_ptr, x_offs, x_mask, 7, BLOCK_KW)
-        _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n, pid_k, SPLIT_K)
+        # one split-K counter per output tile
+        _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n + pid_m * tl.num_programs(0), pid_k, SPLIT_K)
 
 
 def permute_x(x: torch.Tensor, block_kw: int) -> torch.Tensor:
@@ -125,10 +127,11 @@ MAX_ROWS = 64
 # (N, K) -> {rows bucket: (block_n, block_kw, warps, stages, split_k or None)}: the H200 sweep's
 # winners (bench/gemv.py --mma-sweep, BENCHMARKS.md); rows 2-16 use the 16 entry, 17-64 the 64 one
 _TUNED: dict[tuple[int, int], dict[int, tuple[int, int, int, int, int | None]]] = {
-    (6144, 4096): {16: (64, 16, 4, 3, None), 64: (128, 16, 4, 3, None)},  # 8B qkv
+    (6144, 4096): {16: (256, 16, 4, 3, None), 64: (128, 16, 4, 3, None)},  # 8B qkv
     (4096, 4096): {16: (64, 16, 4, 3, None), 64: (64, 16, 4, 3, None)},  # 8B o
     (28672, 4096): {16: (256, 16, 4, 3, None), 64: (128, 16, 4, 3, None)},  # 8B gate_up
-    (4096, 14336): {16: (256, 16, 4, 3, None), 64: (128, 16, 4, 3, None)},  # 8B down
+    (4096, 14336): {16: (128, 32, 4, 3, None), 64: (128, 16, 4, 3, None)},  # 8B down
+    (10240, 8192): {16: (256, 16, 4, 3, None), 64: (128, 16, 4, 3, None)},  # 70B qkv
     (57344, 8192): {16: (256, 16, 4, 3, 1), 64: (128, 16, 4, 3, 1)},  # 70B gate_up
     (8192, 28672): {16: (256, 16, 4, 3, None), 64: (128, 16, 4, 3, None)},  # 70B down
 }
@@ -144,9 +147,10 @@ def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
 def gemm_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, block_m: int | None = None,
 ) -> torch.Tensor:
-    """x [2 <= M <= 64, K] fp16 -> [M, N] fp16."""
+    """x [2 <= M <= 64, K] fp16 -> [M, N] fp16. block_m < M splits the rows over programs
+    (more programs, each weight tile read once per row block, mostly from L2)."""
     m, k = x.shape
     if not supports(x, 4, group_size):
         raise ValueError(f"gemm_w4: unsupported x {tuple(x.shape)} {x.dtype} for 4-bit groups of {group_size}")
@@ -163,10 +167,11 @@ def gemm_w4(
     num_warps, num_stages = num_warps or tuned[2], num_stages or tuned[3]
     split_k = split_k if split_k is not None else tuned[4]
     xp = permute_x(x.contiguous(), block_kw)
+    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+    row_blocks = triton.cdiv(m, block_m)
     col_blocks = triton.cdiv(n, block_n)
-    split_k, k_per_split, out, partial, counters = split_k_launch(x, n, 8 * block_kw, col_blocks, split_k)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    _gemm_w4_kernel[(col_blocks, split_k)](
+    split_k, k_per_split, out, partial, counters = split_k_launch(x, n, 8 * block_kw, col_blocks * row_blocks, split_k)
+    _gemm_w4_kernel[(col_blocks, split_k, row_blocks)](
         xp, qweight, scales, mins, out, partial, counters, m, n, k, k_per_split,
         GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
         USE_ASM=_use_asm(), num_warps=num_warps, num_stages=num_stages,
