@@ -227,3 +227,21 @@ def test_engine_prefix_hit_through_graph_rows(default_model_dir: Path) -> None:
     assert got == want
     assert engine.stats().prefix_hit_tokens >= 32  # request 1 reused the cached prefix pages
     assert len(graphs.replays) > 5 and 24 in graphs.replays  # extends (24-token chunks) went through the rows
+
+
+def test_graphs_only_where_the_decode_kernel_reads_device_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from halfbyte.engine.runner import _graphable
+    from halfbyte.model.rope import RopeScaling
+
+    def graphable(page: int = 16, device: str = "cuda", **cfg: object) -> bool:
+        model = SimpleNamespace(device=torch.device(device), cfg=replace(CFG, **{"head_dim": 64, **cfg}))
+        return _graphable(model, page)  # type: ignore[arg-type]
+
+    assert graphable() and not graphable(device="cpu")
+    assert not graphable(page=8) and not graphable(head_dim=96) and not graphable(sliding_window=4096)
+    assert not graphable(rope_scaling=RopeScaling(type="dynamic", factor=2.0))
+    monkeypatch.setenv("HALFBYTE_REFERENCE", "1")
+    assert not graphable()

@@ -1,7 +1,8 @@
 """Decode steps replayed from CUDA graphs: one graph per batch-size bucket, static input buffers.
 
 A decode step launches hundreds of small kernels; captured once, it replays with one launch and
-no per-kernel host work. Prefill stays eager (its shapes vary and its kernels are large)."""
+no per-kernel host work. Prefill stays eager (its shapes vary and its kernels are large); an extend
+whose new tokens fit a bucket replays it with one row per token (engine/token_rows.py)."""
 
 from __future__ import annotations
 

@@ -31,6 +31,19 @@ def _block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
     return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32, device=device)
 
 
+def _graphable(model: LlamaModel, page_size: int) -> bool:
+    """Whether decode graphs give right answers: dynamic NTK changes frequencies with the sequence
+    length (no fixed graph for it), and the graphs' attention must be the Triton decode kernel,
+    which reads each row's length on the device (the other paths read the host lengths, fixed at
+    max_seq_len in a graph: they would attend past the end)."""
+    cfg = model.cfg
+    return (
+        model.device.type == "cuda" and os.environ.get("HALFBYTE_REFERENCE", "0") != "1"
+        and cfg.rope_scaling.type != "dynamic" and cfg.sliding_window is None
+        and page_size >= 16 and cfg.head_dim & (cfg.head_dim - 1) == 0
+    )
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: PagePool, max_num_seqs: int, max_model_len: int) -> None:
         self.model = model
@@ -40,8 +53,7 @@ class ModelRunner:
         self.graph_extend = os.environ.get("HALFBYTE_GRAPH_EXTEND", "1") != "0"  # extends through the graphs
         self.sampler = Sampler()  # the engine sets sampler.eos_token_ids (min_tokens suppresses them)
         self.last_logprobs: list[Logprobs | None] = []  # per token of the last step(), when asked
-        # dynamic NTK changes frequencies with the sequence length: no fixed graph for it
-        if self.device.type == "cuda" and model.cfg.rope_scaling.type != "dynamic":
+        if _graphable(model, pool.page_size):
             self.graphs = CudaGraphDecoder(model, pool.kv_caches, max_num_seqs, max_model_len, pool.scratch_page)
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
