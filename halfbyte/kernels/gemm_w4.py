@@ -124,16 +124,17 @@ def permute_x(x: torch.Tensor, block_kw: int) -> torch.Tensor:
 
 MAX_ROWS = 64
 
-# (N, K) -> {rows bucket: (block_n, block_kw, warps, stages, split_k or None)}: the H200 sweep's
-# winners (bench/gemv.py --mma-sweep, BENCHMARKS.md); rows 2-16 use the 16 entry, 17-64 the 64 one
-_TUNED: dict[tuple[int, int], dict[int, tuple[int, int, int, int, int | None]]] = {
-    (6144, 4096): {16: (256, 16, 4, 3, None), 64: (128, 16, 4, 3, None)},  # 8B qkv
-    (4096, 4096): {16: (64, 16, 4, 3, None), 64: (64, 16, 4, 3, None)},  # 8B o
-    (28672, 4096): {16: (256, 16, 4, 3, None), 64: (128, 16, 4, 3, None)},  # 8B gate_up
-    (4096, 14336): {16: (128, 32, 4, 3, None), 64: (128, 16, 4, 3, None)},  # 8B down
-    (10240, 8192): {16: (256, 16, 4, 3, None), 64: (128, 16, 4, 3, None)},  # 70B qkv
-    (57344, 8192): {16: (256, 16, 4, 3, 1), 64: (128, 16, 4, 3, 1)},  # 70B gate_up
-    (8192, 28672): {16: (256, 16, 4, 3, None), 64: (128, 16, 4, 3, None)},  # 70B down
+# (N, K) -> {rows bucket: (block_n, block_kw, warps, stages, split_k or None, block_m or None)}:
+# the H200 sweep's winners (bench/gemv.py --sweep-rows, BENCHMARKS.md); rows 2-16 use the 16
+# entry, 17-64 the 64 one. At 64 rows, two 32-row programs per weight tile won on every 8B shape.
+_TUNED: dict[tuple[int, int], dict[int, tuple[int, int, int, int, int | None, int | None]]] = {
+    (6144, 4096): {16: (64, 32, 4, 3, None, None), 64: (256, 16, 4, 3, None, 32)},  # 8B qkv
+    (4096, 4096): {16: (64, 16, 4, 3, None, None), 64: (64, 16, 4, 3, None, 32)},  # 8B o
+    (28672, 4096): {16: (256, 16, 4, 3, None, None), 64: (256, 16, 4, 3, None, 32)},  # 8B gate_up
+    (4096, 14336): {16: (64, 32, 4, 3, None, None), 64: (256, 16, 4, 3, None, 32)},  # 8B down
+    (10240, 8192): {16: (256, 16, 4, 3, None, None), 64: (128, 16, 4, 3, None, None)},  # 70B qkv
+    (57344, 8192): {16: (256, 16, 4, 3, 1, None), 64: (128, 16, 4, 3, 1, None)},  # 70B gate_up
+    (8192, 28672): {16: (256, 16, 4, 3, None, None), 64: (128, 16, 4, 3, None, None)},  # 70B down
 }
 
 
@@ -159,7 +160,7 @@ def gemm_w4(
     rows = 16 if m <= 16 else 64
     tuned = _TUNED.get((n, k), {}).get(rows)
     if tuned is None:  # untuned shapes: what won most often
-        tuned = (64 if n * k < 32 * 2**20 and rows == 16 else 128 if rows == 64 else 256, 16, 4, 3, None)
+        tuned = (64 if n * k < 32 * 2**20 and rows == 16 else 128 if rows == 64 else 256, 16, 4, 3, None, None)
     block_n = block_n or tuned[0]
     block_kw = block_kw or (tuned[1] if k % (8 * tuned[1]) == 0 else 16)
     if k % (8 * block_kw):
@@ -167,7 +168,7 @@ def gemm_w4(
     num_warps, num_stages = num_warps or tuned[2], num_stages or tuned[3]
     split_k = split_k if split_k is not None else tuned[4]
     xp = permute_x(x.contiguous(), block_kw)
-    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+    block_m = block_m or tuned[5] or (16 if m <= 16 else 32 if m <= 32 else 64)
     row_blocks = triton.cdiv(m, block_m)
     col_blocks = triton.cdiv(n, block_n)
     split_k, k_per_split, out, partial, counters = split_k_launch(x, n, 8 * block_kw, col_blocks * row_blocks, split_k)
