@@ -76,9 +76,11 @@ def race_ref(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor, token_id
     """x [B, V] fp32 (filtered tokens at -inf), keys [B] int64, greedy [B] bool -> tokens [B] int64.
     With token_ids [B, K], x holds only those candidates: the noise is hashed from their ids, so
     the draw equals the full-vocabulary one with every other token at -inf."""
-    u = uniform_noise_ref(keys, x.shape[1], token_ids)
-    scores = x - torch.log(-torch.log(u))
-    pos = torch.where(greedy, x.argmax(dim=1), scores.argmax(dim=1))
+    pos = x.argmax(dim=1)
+    drawn = (~greedy).nonzero().squeeze(1)  # noise only where it is used: [B, V] hashes are costly
+    if drawn.numel():
+        u = uniform_noise_ref(keys[drawn], x.shape[1], None if token_ids is None else token_ids[drawn])
+        pos[drawn] = (x[drawn] - torch.log(-torch.log(u))).argmax(dim=1)
     return pos if token_ids is None else token_ids.long().gather(1, pos.unsqueeze(1)).squeeze(1)
 
 
