@@ -95,6 +95,37 @@ def time_host(rows: int, vocab: int, context: int, steps: int, dev: torch.device
     return total / steps
 
 
+def profile_sampler(rows: int, vocab: int, context: int, dev: torch.device) -> None:
+    """Where one all-filters call spends host time (cProfile) and GPU time (kernels)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(0)
+    seqs = [BenchSeq(make_params(i, True), p := torch.randint(0, vocab, (context,), generator=gen).tolist(), list(p))
+            for i in range(rows)]
+    sampler = Sampler({0})
+    logits = torch.randn(rows, vocab, device=dev) * 3
+    for _ in range(3):
+        sampler.sample(logits, seqs)
+    sync(dev)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        sampler.sample(logits, seqs)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(22)
+    if dev.type != "cuda":
+        return
+    with profile(activities=[ProfilerActivity.CUDA]) as kprof:
+        for _ in range(10):
+            sampler.sample(logits, seqs)
+        sync(dev)
+    print("GPU time of 10 all-filters calls:")
+    print(kprof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
 def time_decode_step(rows: int, context: int, steps: int) -> float:
     """Seconds per Llama-3-8B 4-bit decode step at batch `rows` (random weights, CUDA graph)."""
     from random_model import random_model
@@ -133,6 +164,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--cpu", action="store_true", help="small shapes on the CPU, sampler only")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="also print host (cProfile) and kernel time of one call")
     args = ap.parse_args()
     if args.cpu:
         dev, rows, vocab, context = torch.device("cpu"), 8, 4096, 64
@@ -149,6 +181,8 @@ def main() -> None:
         results["decode step ms"] = 1e3 * time_decode_step(rows, context, args.steps)
         results["ratio all filters %"] = 100 * results["sample all filters ms"] / results["decode step ms"]
         results["ratio no typical %"] = 100 * results["sample no typical ms"] / results["decode step ms"]
+    if args.profile:
+        profile_sampler(rows, vocab, context, dev)
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=device, torch=torch.__version__, rows=rows, vocab=vocab,
