@@ -146,7 +146,7 @@ def tokenizer_dir(default_model_dir: Path) -> Path:
     return default_model_dir
 
 
-@pytest.mark.slow  # ~100 s on a shared 2-core box: three SmolLM2 loads per size
+# in CI (issue 8 asks for it there): ~60 s on the 2-core box, one SmolLM2 load per run and size
 def test_smollm2_tp2_tp3_match_single_process(default_model_dir: Path) -> None:
     # 9 heads / 3 KV heads: size 2 splits the KV groups unevenly (2 + 1), size 3 one group each
     _check_parity(default_model_dir, (2, 3))
