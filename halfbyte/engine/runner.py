@@ -16,7 +16,8 @@ from halfbyte.engine.sampler import Logprobs, Sampler
 from halfbyte.engine.scheduler import ScheduledBatch
 from halfbyte.engine.sequence import Sequence
 from halfbyte.engine.token_rows import MAX_ROW_CONTEXT, row_context, token_rows
-from halfbyte.kernels.attention import AttentionMetadata
+from halfbyte.kernels.attention import AttentionMetadata, paged_kernels_fit
+from halfbyte.kernels.dispatch import triton_enabled
 from halfbyte.model.llama import LlamaModel
 
 
@@ -38,9 +39,8 @@ def _graphable(model: LlamaModel, page_size: int) -> bool:
     max_seq_len in a graph: they would attend past the end)."""
     cfg = model.cfg
     return (
-        model.device.type == "cuda" and os.environ.get("HALFBYTE_REFERENCE", "0") != "1"
-        and cfg.rope_scaling.type != "dynamic" and cfg.sliding_window is None
-        and page_size >= 16 and cfg.head_dim & (cfg.head_dim - 1) == 0
+        triton_enabled(model.device) and cfg.rope_scaling.type != "dynamic" and cfg.sliding_window is None
+        and paged_kernels_fit(page_size, cfg.head_dim)
     )
 
 

@@ -124,6 +124,11 @@ def paged_attention_ref(
     return out
 
 
+def paged_kernels_fit(page_size: int, head_dim: int) -> bool:
+    """Whether the Triton paged-attention kernels take this cache shape."""
+    return page_size >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -133,16 +138,13 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     page_size, head_dim = k_cache.shape[1], k_cache.shape[3]
-    if (
-        use_triton(q) and meta.is_decode and sliding_window is None
-        and page_size >= 16 and head_dim & (head_dim - 1) == 0
-    ):
+    if use_triton(q) and meta.is_decode and sliding_window is None and paged_kernels_fit(page_size, head_dim):
         from halfbyte.kernels.decode_attention import decode_attention_triton
 
         return decode_attention_triton(
             q, k_cache, v_cache, meta.block_tables, meta.device_seq_lens(), scale, max(meta.seq_lens)
         )
-    if use_triton(q) and PREFILL_BACKEND == "triton" and page_size >= 16 and head_dim & (head_dim - 1) == 0:
+    if use_triton(q) and PREFILL_BACKEND == "triton" and paged_kernels_fit(page_size, head_dim):
         from halfbyte.kernels.prefill_attention import prefill_attention_triton
 
         return prefill_attention_triton(

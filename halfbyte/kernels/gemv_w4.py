@@ -182,10 +182,11 @@ def gemv_w4(
     split_k = split_k if split_k is not None else tuned[2]
     num_stages = num_stages or tuned[3]
     num_warps = num_warps or tuned[4]
+    x = x.contiguous()
     col_blocks = triton.cdiv(n, block_n)
-    split_k, k_per_split, out, partial, counters = split_k_launch(x.contiguous(), n, block_kw * 8, col_blocks, split_k)
+    split_k, k_per_split, out, partial, counters = split_k_launch(x, n, block_kw * 8, col_blocks, split_k)
     _gemv_w4_m1_kernel[(col_blocks, split_k)](
-        x.contiguous(), qweight, scales, mins, out, partial, counters, n, k, k_per_split,
+        x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
         GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, USE_ASM=_use_asm(),
         num_warps=num_warps, num_stages=num_stages,
     )
