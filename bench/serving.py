@@ -7,7 +7,14 @@ Cases (each a row of the final table, all written to --out as JSON):
   itl         the largest gap between tokens of running decodes while a --long-prompt prefills
               in chunks of --max-batch-tokens, against the gap before it arrives
   decode64    --decode-requests x (prompt --decode-prompt, output --decode-output): decode
-              tokens/s once all have their first token, and its ratio to one request alone
+              tokens/s once all have their first token, with and without async scheduling,
+              and its ratio to one request alone
+  sampling64  the same batch sampling with every filter on (bench/sampling.py's parameters:
+              temperature, top-k, top-p, min-p, typical, penalties, logit bias, seeds) against
+              greedy, output --sampling-output: what sampling adds to a step, as a share of it
+
+Token times are taken when step() returns them: under async scheduling the engine reads a step's
+tokens while the next one runs, so a synchronize here would measure something the engine avoids.
 
 GPU (random-weight quantized model of --shape, no download):
   python bench/serving.py --device cuda --shape llama3-8b --out serving_gpu.json
@@ -24,6 +31,7 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +73,6 @@ def random_engine(shape: str, bits: int, config: EngineConfig) -> LLMEngine:
         engine_module.resolve_loadable, engine_module.is_quantized, engine_module.load_pretrained = saved
 
 
-def sync(engine: LLMEngine) -> None:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 class Run:
     """Requests added to an engine, stepped to the end, with the host time of every token."""
 
@@ -77,18 +80,20 @@ class Run:
         self.engine = engine
         self.token_times: dict[str, list[float]] = {}
         self.added: dict[str, float] = {}
+        self.tokens: dict[str, list[int]] = {}
 
-    def add(self, rid: str, ids: list[int], out_len: int) -> None:
-        self.engine.add_request(rid, ids, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))
+    def add(self, rid: str, ids: list[int], out_len: int, params: SamplingParams | None = None) -> None:
+        base = params or SamplingParams(temperature=0)
+        self.engine.add_request(rid, ids, replace(base, max_tokens=out_len, ignore_eos=True))
         self.added[rid] = time.perf_counter()
         self.token_times[rid] = []
 
     def step(self) -> None:
-        outs = self.engine.step()
-        sync(self.engine)
+        outs = self.engine.step()  # tokens returned are on the host: their GPU work is done
         now = time.perf_counter()
         for o in outs:
             self.token_times[o.request_id].extend([now] * len(o.new_token_ids))
+            self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
 
     def until_done(self, rids: list[str] | None = None) -> None:
         while any(len(self.token_times[r]) == 0 or self.engine.sequence(r) is not None for r in rids or self.token_times):
@@ -174,26 +179,48 @@ def case_itl(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) ->
             "max_gap_steady_ms": steady * 1e3, "max_gap_during_prefill_ms": during * 1e3}
 
 
-def _decode_rate(engine: LLMEngine, n: int, prompt: int, output: int, rng: random.Random) -> float:
+def _decode_rate(engine: LLMEngine, n: int, prompt: int, output: int, rng: random.Random,
+                 params: list[SamplingParams] | None = None) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s once every request has its first token, and each request's tokens."""
     vocab = engine.model_config.vocab_size
     run = Run(engine)
-    rids = [f"dec{n}-{i}" for i in range(n)]
-    for rid in rids:
-        run.add(rid, random_ids(rng, prompt, vocab), output)
+    rids = [f"dec{n}-{rng.random():.6f}-{i}" for i in range(n)]
+    for i, rid in enumerate(rids):
+        run.add(rid, random_ids(rng, prompt, vocab), output, params[i] if params else None)
     while any(not run.token_times[r] for r in rids):
         run.step()
     start = max(run.token_times[r][0] for r in rids)
     run.until_done(rids)
     end = max(run.token_times[r][-1] for r in rids)
     tokens = sum(sum(1 for t in run.token_times[r] if t > start) for r in rids)
-    return tokens / (end - start)
+    return tokens / (end - start), [run.tokens[r] for r in rids]
 
 
 def case_decode(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
-    one = _decode_rate(engine, 1, args.decode_prompt, args.decode_output, rng)
-    many = _decode_rate(engine, args.decode_requests, args.decode_prompt, args.decode_output, rng)
-    return {"requests": args.decode_requests, "prompt": args.decode_prompt, "output": args.decode_output,
-            "decode_tok_s": many, "batch1_tok_s": one, "ratio_to_batch1": many / one}
+    n, prompt, out = args.decode_requests, args.decode_prompt, args.decode_output
+    one, _ = _decode_rate(engine, 1, prompt, out, rng)
+    seed = rng.random()
+    many, tokens = _decode_rate(engine, n, prompt, out, random.Random(seed))
+    was, engine.async_scheduling = engine.async_scheduling, False
+    try:  # the same prompts, greedy: the same tokens expected
+        sync_rate, sync_tokens = _decode_rate(engine, n, prompt, out, random.Random(seed))
+    finally:
+        engine.async_scheduling = was
+    return {"requests": n, "prompt": prompt, "output": out, "async_scheduling": was, "decode_tok_s": many,
+            "decode_tok_s_sync": sync_rate, "tokens_equal_sync": tokens == sync_tokens,
+            "batch1_tok_s": one, "ratio_to_batch1": many / one}
+
+
+def case_sampling(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    from sampling import make_params
+
+    n, prompt, out = args.decode_requests, args.decode_prompt, args.sampling_output
+    greedy, _ = _decode_rate(engine, n, prompt, out, rng)
+    filtered, _ = _decode_rate(engine, n, prompt, out, rng, [make_params(i, typical=True) for i in range(n)])
+    step_greedy, step_filtered = n / greedy * 1e3, n / filtered * 1e3  # ms per engine step
+    return {"requests": n, "prompt": prompt, "output": out, "greedy_tok_s": greedy, "all_filters_tok_s": filtered,
+            "step_ms_greedy": step_greedy, "step_ms_all_filters": step_filtered,
+            "sampling_share": (step_filtered - step_greedy) / step_greedy}
 
 
 def main() -> None:
@@ -202,7 +229,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b", help="GPU: random-weight shape from bench/random_model.py")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--model", default=None, help="CPU: a model directory (default: SmolLM2)")
-    ap.add_argument("--cases", default="throughput,prefix,itl,decode64")
+    ap.add_argument("--cases", default="throughput,prefix,itl,decode64,sampling64")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-min", type=int, default=16)
     ap.add_argument("--prompt-max", type=int, default=1024)
@@ -215,6 +242,7 @@ def main() -> None:
     ap.add_argument("--decode-requests", type=int, default=64)
     ap.add_argument("--decode-prompt", type=int, default=512)
     ap.add_argument("--decode-output", type=int, default=256)
+    ap.add_argument("--sampling-output", type=int, default=128)
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--kv-cache-tokens", type=int, default=None)
@@ -236,7 +264,8 @@ def main() -> None:
         engine = LLMEngine(model, device="cpu", dtype="float32", config=config)
         label = f"{Path(str(model)).name} fp32, CPU"
     rng = random.Random(0)
-    runners = {"throughput": case_throughput, "prefix": case_prefix, "itl": case_itl, "decode64": case_decode}
+    runners = {"throughput": case_throughput, "prefix": case_prefix, "itl": case_itl, "decode64": case_decode,
+               "sampling64": case_sampling}
     results: dict[str, Any] = {"device": label, "torch": torch.__version__, "pages": engine.pool.num_pages,
                                "page_size": engine.pool.page_size, "args": vars(args)}
     for name in args.cases.split(","):
@@ -263,7 +292,14 @@ def main() -> None:
     if "decode64" in results:
         r = results["decode64"]
         rows.append(("decode throughput", f"{r['requests']} x (prompt {r['prompt']}, out {r['output']})",
-                     f"{r['decode_tok_s']:.1f} tok/s, {r['ratio_to_batch1']:.1f}x batch 1 ({r['batch1_tok_s']:.1f})"))
+                     f"{r['decode_tok_s']:.1f} tok/s (sync {r['decode_tok_s_sync']:.1f}, same tokens: "
+                     f"{r['tokens_equal_sync']}), "
+                     f"{r['ratio_to_batch1']:.1f}x batch 1 ({r['batch1_tok_s']:.1f})"))
+    if "sampling64" in results:
+        r = results["sampling64"]
+        rows.append(("sampling, all filters", f"{r['requests']} x (prompt {r['prompt']}, out {r['output']})",
+                     f"step {r['step_ms_all_filters']:.2f} vs {r['step_ms_greedy']:.2f} ms greedy: "
+                     f"+{100 * r['sampling_share']:.1f}% of the step"))
     width = max(len(a) for a, _, _ in rows)
     wid2 = max(len(b) for _, b, _ in rows)
     for a, b, c in rows:

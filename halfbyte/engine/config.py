@@ -58,6 +58,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_batch_tokens: int = 8192  # tokens per step: decodes + prefill chunks
     enable_prefix_caching: bool = True
+    # launch the next decode step before reading this one's tokens (engine/launched_step.py);
+    # None: on CUDA without tensor parallelism
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "kv_cache_tokens"):

@@ -117,8 +117,9 @@ class PagePool:
         """Run the queued page copies (before the forward that writes the destinations)."""
         if not self.pending_copies:
             return
-        src = torch.tensor([s for s, _, _ in self.pending_copies], device=self.kv_caches[0][0].device)
-        dst = torch.tensor([d for _, d, _ in self.pending_copies], device=src.device)
+        dev = self.kv_caches[0][0].device  # non-blocking copies: no wait for a step in flight
+        src = torch.tensor([s for s, _, _ in self.pending_copies]).to(dev, non_blocking=True)
+        dst = torch.tensor([d for _, d, _ in self.pending_copies]).to(dev, non_blocking=True)
         for k, v in self.kv_caches:  # whole pages: the tail past the kept tokens is overwritten before it is read
             k[dst] = k[src]
             v[dst] = v[src]

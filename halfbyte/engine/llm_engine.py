@@ -1,4 +1,9 @@
-"""The engine loop the APIs use: add_request, abort_request, step() -> outputs."""
+"""The engine loop the APIs use: add_request, abort_request, step() -> outputs.
+
+With async scheduling (on by default on CUDA) a step that only samples runs ahead: step() launches
+the next step before it reads the previous one's tokens (engine/launched_step.py), so the GPU
+does not wait for the host's stop checks, detokenizing and scheduling. The tokens are the same
+as without it; a request's last token may cost one discarded row in the step after it."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import torch
 from halfbyte.engine.config import EngineConfig, resolve_device, resolve_dtype
 from halfbyte.engine.detokenizer import IncrementalDetokenizer
 from halfbyte.engine.kv_cache import PagePool
+from halfbyte.engine.launched_step import LaunchedStep
 from halfbyte.engine.prefix_cache import PrefixCacheStats
 from halfbyte.engine.runner import ModelRunner
 from halfbyte.engine.scheduler import Scheduler
@@ -98,6 +104,9 @@ class LLMEngine:
             attach(self.tp, self.pool, self.runner)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        async_default = self.device.type == "cuda" and self.tp is None  # ranks step in lockstep: not yet
+        self.async_scheduling = async_default if self.config.async_scheduling is None else self.config.async_scheduling
+        self._in_flight: LaunchedStep | None = None  # launched, tokens not read yet
 
     def _num_pages(self, kv_cfg: ModelConfig) -> int:
         page = self.config.page_size
@@ -200,24 +209,71 @@ class LLMEngine:
             seq.finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def step(self) -> list[StepOutput]:
+        """Schedule and launch a step; return what the steps read back during this call produced.
+        A step kept in flight (async scheduling) is read during the next call, after that call
+        has launched its own step; an empty list then means "nothing read yet", not "idle"."""
+        outputs: list[StepOutput] = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and not self._can_run_ahead(previous):
+            outputs += self._complete(previous)
+            previous = None
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        tokens = iter(self.runner.step(batch))
-        logprobs = iter(self.runner.last_logprobs)
+        launched = self.runner.launch(batch, previous.tokens if previous else None) if batch is not None else None
+        if previous is not None:
+            outputs += self._complete(previous)
+        if launched is not None:
+            if self._may_defer(launched):
+                self._in_flight = launched
+            else:
+                outputs += self._complete(launched)
+        return outputs
+
+    def _may_defer(self, launched: LaunchedStep) -> bool:
+        """Whether the next step may be launched before this one's tokens are read: every row
+        samples, and none needs its tokens on the host to sample (logits processors) or returns
+        logprobs (read from the logits, which the next launch overwrites). Penalties count a
+        token in flight on the device (token_state.py)."""
+        if not self.async_scheduling or not launched.sampling or not all(launched.batch.samples):
+            return False
+        return not any(s.params.logits_processors or s.params.logprobs is not None for s in launched.sampling)
+
+    def _can_run_ahead(self, previous: LaunchedStep) -> bool:
+        """Whether the next step is exactly previous's sequences decoding the tokens in flight:
+        nobody waits to be admitted, nobody stops by length, and the pool has a page for each (a
+        decode writes one slot: a new page or a copy-on-write, never both), so no preemption."""
+        seqs = previous.sampling
+        sched = self.scheduler
+        if sched.waiting or len(sched.running) != len(seqs) or self.pool.num_free < len(seqs):
+            return False
+        return all(
+            s.status is SequenceStatus.RUNNING and len(s.output_token_ids) < s.params.max_tokens
+            and s.num_tokens < self.max_model_len for s in seqs
+        )
+
+    def _complete(self, launched: LaunchedStep) -> list[StepOutput]:
+        """Read a launched step's tokens, put them in place of its placeholders, check stops."""
+        tokens = launched.token_list()
+        logprobs: list[dict[int, float] | None] = [None] * len(tokens)
+        if launched.logits is not None:
+            params = [s.params for s in launched.sampling]
+            logprobs = self.runner.sampler.logprobs(launched.logits, launched.tokens, tokens, params)
+        sampled = iter(zip(launched.slots, tokens, logprobs, strict=True))
         outputs = []
-        for seq, samples in zip(batch.seqs, batch.samples, strict=True):
+        for seq, samples in zip(launched.batch.seqs, launched.batch.samples, strict=True):
+            slot, token, token_logprobs = next(sampled) if samples else (0, 0, None)
+            if seq.is_finished:  # stopped (its extra row is dropped) or aborted since the launch
+                continue
+            if samples:
+                seq.token_ids[slot] = token
             self.pool.cache_full_pages(seq)
             if not samples:  # mid-prefill: no token yet
                 continue
-            token = next(tokens)
-            token_logprobs = next(logprobs, None)
-            seq.token_ids.append(token)
-            reason = self._check_stop(seq, token)
+            reason = self._check_stop(seq, token, slot + 1)
             if reason is not None:
+                del seq.token_ids[slot + 1 :]  # a placeholder of the step launched after this one
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
@@ -234,13 +290,14 @@ class LLMEngine:
             )
         return outputs
 
-    def _check_stop(self, seq: Sequence, token: int) -> str | None:
+    def _check_stop(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
+        """num_tokens: the sequence's length through this token (a later placeholder may follow)."""
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if seq.detokenizer.add_token(token) is not None:
             return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_tokens - len(seq.prompt_token_ids) >= p.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -250,6 +307,7 @@ class LLMEngine:
     def close(self) -> None:
         for rid in list(self._seqs):
             self.abort_request(rid)
+        self._in_flight = None
         self.pool.kv_caches.clear()
         del self.model
         if self.tp is not None:

@@ -97,12 +97,14 @@ class Sampler:
         params = [s.params for s in seqs]
         tokens = self.sample_async(logits, seqs)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(logits, tokens, token_list, params))
+        return SamplerOutput(token_list, self.logprobs(logits, tokens, token_list, params))
 
     @torch.inference_mode()
-    def sample_async(self, logits: torch.Tensor, seqs: Sequence[SampledSequence]) -> torch.Tensor:
-        """The tokens [B] int64 on the device, not read back (no host sync on the fused path)."""
-        x, f, rows = self._scaled_logits(logits, seqs)
+    def sample_async(self, logits: torch.Tensor, seqs: Sequence[SampledSequence],
+                     previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The tokens [B] int64 on the device, not read back (no host sync on the fused path).
+        previous_tokens: the in-flight step's tokens, which placeholders in seqs name."""
+        x, f, rows = self._scaled_logits(logits, seqs, previous_tokens)
         if f is not None and f.candidates_only and self._use_fused(x, f):
             return self._sample_fused(x, f, rows)
         keys, greedy = rows.keys(), rows.ints[:, 2] != 0
@@ -166,11 +168,12 @@ class Sampler:
                            1.0 if g else 1.0 / p.temperature, 1.0 if g else p.top_p,
                            1.0 if g else p.typical_p, 0.0 if g else p.min_p])
             ints.append([seed_key(self._seed(s)), p.top_k if 0 < p.top_k < vocab and not g else vocab, g])
-        return _RowTensors(torch.tensor(floats, dtype=torch.float32, device=dev).reshape(-1, 7),
-                           torch.tensor(ints, dtype=torch.int64, device=dev).reshape(-1, 3), floats, ints)
+        # non-blocking: a blocking copy would wait for the step in flight (engine/launched_step.py)
+        return _RowTensors(torch.tensor(floats, dtype=torch.float32).reshape(-1, 7).to(dev, non_blocking=True),
+                           torch.tensor(ints, dtype=torch.int64).reshape(-1, 3).to(dev, non_blocking=True), floats, ints)
 
     def _scaled_logits(
-        self, logits: torch.Tensor, seqs: Sequence[SampledSequence]
+        self, logits: torch.Tensor, seqs: Sequence[SampledSequence], previous_tokens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, FilterParams | None, _RowTensors]:
         vocab = logits.shape[1]
         dev = logits.device
@@ -183,7 +186,7 @@ class Sampler:
         rows, filters = self._rows_and_filters(seqs, vocab, dev)
         if any(p.needs_token_state for p in params):
             pool = self._token_state(vocab, dev)
-            slots = pool.slots_for(seqs)
+            slots = pool.slots_for(seqs, previous_tokens)
             x = penalize(logits, slots, pool.counts, pool.prompt_seen, pool.additive, rows.floats[:, :4])
         else:
             x = logits.float() * rows.floats[:, 3:4]  # [B, V] fp32; a copy, never the model's buffer
@@ -219,7 +222,7 @@ class Sampler:
         )
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int], params: list[SamplingParams]) -> list[Logprobs | None]:
+    def logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int], params: list[SamplingParams]) -> list[Logprobs | None]:
         """The model's own distribution (before penalties and filters), fp32."""
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         out: list[Logprobs | None] = [None] * len(params)

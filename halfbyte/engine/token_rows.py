@@ -44,7 +44,7 @@ class TokenRows:
         dev = block_tables.device
         packed = torch.tensor(  # one host-to-device copy  # [5, R]
             [self.input_ids, self.positions, self.slots, self.seq_lens, self.row_seqs], dtype=torch.int64
-        ).to(dev)
+        ).to(dev, non_blocking=True)  # non-blocking: a blocking copy waits for the step in flight
         if self.num_rows != block_tables.shape[0]:  # (a pure decode batch: already one row per sequence)
             block_tables = block_tables.index_select(0, packed[4])  # [R, max_pages]
         meta = AttentionMetadata(

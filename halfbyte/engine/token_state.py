@@ -80,7 +80,8 @@ class TokenStatePool:
             counted_from = len(prompt)
         else:  # the window spans prompt and output alike
             counted_from = max(0, len(seq.token_ids) - window)
-        tail = torch.tensor(seq.token_ids[counted_from:], dtype=torch.int64, device=self.device)
+        known = _known_length(seq.token_ids)  # a trailing placeholder is counted by slots_for
+        tail = torch.tensor(seq.token_ids[counted_from:known], dtype=torch.int64, device=self.device)
         self.counts[slot].index_add_(0, tail, torch.ones_like(tail, dtype=torch.int32))
         additive = self.additive[slot]
         if p.allowed_token_ids is not None:
@@ -91,17 +92,21 @@ class TokenStatePool:
             additive[ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)
         if p.bad_token_ids:
             additive[torch.tensor(p.bad_token_ids, dtype=torch.int64, device=self.device)] = float("-inf")
-        state = _RowState(slot, len(seq.token_ids))
+        state = _RowState(slot, known)
         self._rows[seq] = state
         weakref.finalize(seq, self._release, slot)
         return state
 
-    def slots_for(self, seqs: Sequence[SampledSequence]) -> torch.Tensor:
-        """[B] int32 slot per row (0 where none), after counting each row's new tokens."""
+    def slots_for(self, seqs: Sequence[SampledSequence], previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """[B] int32 slot per row (0 where none), after counting each row's new tokens. A token
+        still in flight is a placeholder naming a row of previous_tokens (engine/launched_step.py):
+        it is counted on the device."""
         self._reclaim()
         slots: list[int] = []
         flat: list[int] = []  # slot * vocab + token
         delta: list[int] = []
+        pending_base: list[int] = []  # slot * vocab of each placeholder ...
+        pending_row: list[int] = []  # ... and the previous_tokens row it names
         for seq in seqs:
             if not seq.params.needs_token_state:
                 slots.append(0)
@@ -113,21 +118,38 @@ class TokenStatePool:
             window = seq.params.penalty_window
             base = state.slot * self.vocab
             for i in range(state.num_seen, len(tokens)):  # usually one token per step
-                flat.append(base + tokens[i])
-                delta.append(1)
+                if tokens[i] < 0:  # in flight; a window's leaving token is always known
+                    pending_base.append(base)
+                    pending_row.append(-1 - tokens[i])
+                else:
+                    flat.append(base + tokens[i])
+                    delta.append(1)
                 if window is not None and i - window >= 0:
                     flat.append(base + tokens[i - window])
                     delta.append(-1)
             state.num_seen = len(tokens)
             slots.append(state.slot)
-        if flat:
+        if flat:  # non-blocking copies: no wait for a step in flight
             self.counts.view(-1).index_add_(
-                0, torch.tensor(flat, dtype=torch.int64, device=self.device),
-                torch.tensor(delta, dtype=torch.int32, device=self.device),
+                0, torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True),
+                torch.tensor(delta, dtype=torch.int32).to(self.device, non_blocking=True),
             )
+        if pending_base:
+            assert previous_tokens is not None, "a placeholder token without the step it names"
+            rows = torch.tensor(pending_row, dtype=torch.int64).to(self.device, non_blocking=True)
+            bases = torch.tensor(pending_base, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.counts.view(-1).index_add_(0, bases + previous_tokens[rows], torch.ones_like(bases, dtype=torch.int32))
         last = self._last_slots
         if last is not None and last[0] == slots:  # the same batch as last step: no copy
             return last[1]
-        out = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        out = torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
         self._last_slots = (slots, out)
         return out
+
+
+def _known_length(tokens: list[int]) -> int:
+    """How many tokens are known: placeholders (negative, still in flight) only ever trail."""
+    n = len(tokens)
+    while n and tokens[n - 1] < 0:
+        n -= 1
+    return n
