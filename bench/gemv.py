@@ -12,6 +12,7 @@ import argparse
 import itertools
 import json
 import sys
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -127,7 +128,8 @@ def main() -> None:
             # one row: gemv_w4 (weight streaming); 16 and 64 rows: gemm_w4 (tensor cores)
             new = lambda x, q, s_, m_, **c: gemv_w4.gemv_w4(x, q, s_, m_, args.group, **c)  # noqa: E731
             mma = lambda x, q, s_, m_, **c: gemm_w4.gemm_w4(x, q, s_, m_, args.group, **c)  # noqa: E731
-            grid1, grid_m = [{}], [{}]
+            grid1: list[dict[str, Any]] = [{}]
+            grid_m: list[dict[str, Any]] = [{}]
             if args.sweep:
                 grid1 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_stages=st)
                           for bn, kw, sk, st in itertools.product((64, 128), (32, 64), (None, 16), (2, 4))]
@@ -144,6 +146,12 @@ def main() -> None:
             if best1 is None or best16 is None or best64 is None:
                 raise SystemExit(f"{name}: every 4-bit config failed (see stderr)")
             (cfg, w1, e1), (cfg16, w16, e16), (cfg64, w64, e64) = best1, best16, best64
+            # the other way to feed x's value planes (gemm_w4.x_split_default), same configs, same run
+            split16, split64 = gemm_w4.x_split_default(n, k, 16), gemm_w4.x_split_default(n, k, 64)
+            alt16 = pick(mma, [{**cfg16, "x_split": not split16}], x16, ref16)
+            alt64 = pick(mma, [{**cfg64, "x_split": not split64}], x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
+            row.update(x_split16=split16, x_split64=split64, w4_t16_other_us=alt16[1] * 1e6 if alt16 else None,
+                       w4_t64_other_us=alt64[1] * 1e6 if alt64 else None)
             row.update(w4_t1_us=w1 * 1e6, w4_pct_copy=100 * nbytes / w1 / 1e9 / copy_gbs,
                        w4_gbs=nbytes / w1 / 1e9, w4_pct_4161=100 * nbytes / w1 / 1e9 / GPU_MD_COPY_GBS, w4_t16_us=w16 * 1e6,
                        w4_t16_over_t1=w16 / w1, w4_t64_us=w64 * 1e6, w4_rel_err=max(e1, e16, e64),
@@ -165,6 +173,10 @@ def main() -> None:
               if "w4_t1_us" in r else f"{'-':>10}{'-':>10}{'-':>7}{'-':>10}")
         print(f"{r['shape']:<12}{r['t1_us']:>8.1f}{r['pct_copy']:>7.1f}{r['t16_over_t1']:>8.2f}{w4}{r.get('w4_t64_us', 0):>10.1f}"
               f"{r['fp16_linear_us']:>9.1f}  {r.get('w4_config')} | {r.get('w4_config16')} | {r.get('w4_config64')}")
+    print("gemm_w4, x split in the kernel (S) or permuted (P), default -> the other, same configs: " + ", ".join(
+        f"{r['shape']} b16 {'SP'[not r['x_split16']]} {r['w4_t16_us']:.1f}->{r['w4_t16_other_us'] or float('nan'):.1f} "
+        f"b64 {'SP'[not r['x_split64']]} {r['w4_t64_us']:.1f}->{r['w4_t64_other_us'] or float('nan'):.1f} us"
+        for r in rows if "w4_t16_other_us" in r))
 
 if __name__ == "__main__":
     main()

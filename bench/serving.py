@@ -82,9 +82,10 @@ class Run:
         self.added: dict[str, float] = {}
         self.tokens: dict[str, list[int]] = {}
 
-    def add(self, rid: str, ids: list[int], out_len: int, params: SamplingParams | None = None) -> None:
+    def add(self, rid: str, ids: list[int], out_len: int, params: SamplingParams | None = None,
+            cache_salt: str | None = None) -> None:
         base = params or SamplingParams(temperature=0)
-        self.engine.add_request(rid, ids, replace(base, max_tokens=out_len, ignore_eos=True))
+        self.engine.add_request(rid, ids, replace(base, max_tokens=out_len, ignore_eos=True), cache_salt=cache_salt)
         self.added[rid] = time.perf_counter()
         self.token_times[rid] = []
 
@@ -180,13 +181,14 @@ def case_itl(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) ->
 
 
 def _decode_rate(engine: LLMEngine, n: int, prompt: int, output: int, rng: random.Random,
-                 params: list[SamplingParams] | None = None) -> tuple[float, list[list[int]]]:
-    """Decode tokens/s once every request has its first token, and each request's tokens."""
+                 params: list[SamplingParams] | None = None, salt: str | None = None) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s once every request has its first token, and each request's tokens.
+    salt: a prefix-cache salt, so that a rerun of the same prompts computes them again."""
     vocab = engine.model_config.vocab_size
     run = Run(engine)
     rids = [f"dec{n}-{rng.random():.6f}-{i}" for i in range(n)]
     for i, rid in enumerate(rids):
-        run.add(rid, random_ids(rng, prompt, vocab), output, params[i] if params else None)
+        run.add(rid, random_ids(rng, prompt, vocab), output, params[i] if params else None, salt)
     while any(not run.token_times[r] for r in rids):
         run.step()
     start = max(run.token_times[r][0] for r in rids)
@@ -198,26 +200,62 @@ def _decode_rate(engine: LLMEngine, n: int, prompt: int, output: int, rng: rando
 
 def case_decode(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     n, prompt, out = args.decode_requests, args.decode_prompt, args.decode_output
+    for batch in (1, n):  # warm-up: the first step of a batch size compiles kernels and captures its graph
+        _decode_rate(engine, batch, 32, 8, rng)
     one, _ = _decode_rate(engine, 1, prompt, out, rng)
     seed = rng.random()
-    many, tokens = _decode_rate(engine, n, prompt, out, random.Random(seed))
+    many, tokens = _decode_rate(engine, n, prompt, out, random.Random(seed), salt="async")
     was, engine.async_scheduling = engine.async_scheduling, False
-    try:  # the same prompts, greedy: the same tokens expected
-        sync_rate, sync_tokens = _decode_rate(engine, n, prompt, out, random.Random(seed))
+    try:  # the same prompts, computed again (another cache salt), greedy: the same tokens expected
+        sync_rate, sync_tokens = _decode_rate(engine, n, prompt, out, random.Random(seed), salt="sync")
     finally:
         engine.async_scheduling = was
     return {"requests": n, "prompt": prompt, "output": out, "async_scheduling": was, "decode_tok_s": many,
             "decode_tok_s_sync": sync_rate, "tokens_equal_sync": tokens == sync_tokens,
+            "first_difference": [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                                 for x, y in zip(tokens, sync_tokens) if x != y],
             "batch1_tok_s": one, "ratio_to_batch1": many / one}
+
+
+def _profile_steps(engine: LLMEngine, params: list[SamplingParams], prompt: int, rng: random.Random) -> None:
+    """Host (cProfile) and device (torch.profiler) time of 24 steady decode steps, printed."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    run = Run(engine)
+    vocab = engine.model_config.vocab_size
+    for i, p in enumerate(params):
+        run.add(f"prof-{i}", random_ids(rng, prompt, vocab), 40, p)
+    while any(not t for t in run.token_times.values()):  # prefill
+        run.step()
+    for _ in range(4):  # first decodes
+        run.step()
+    prof = cProfile.Profile()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
+        prof.enable()
+        for _ in range(24):
+            run.step()
+        prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    print(tprof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    print(tprof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    run.until_done()
 
 
 def case_sampling(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     from sampling import make_params
 
     n, prompt, out = args.decode_requests, args.decode_prompt, args.sampling_output
+    params = [make_params(i, typical=True) for i in range(n)]
+    _decode_rate(engine, n, 32, 8, rng)  # warm-up: graphs, and the sampling kernels' first compile
+    _decode_rate(engine, n, 32, 8, rng, params)
     greedy, _ = _decode_rate(engine, n, prompt, out, rng)
-    filtered, _ = _decode_rate(engine, n, prompt, out, rng, [make_params(i, typical=True) for i in range(n)])
+    filtered, _ = _decode_rate(engine, n, prompt, out, rng, params)
     step_greedy, step_filtered = n / greedy * 1e3, n / filtered * 1e3  # ms per engine step
+    if args.profile_sampling:
+        _profile_steps(engine, [make_params(i, typical=True) for i in range(n)], prompt, rng)
     return {"requests": n, "prompt": prompt, "output": out, "greedy_tok_s": greedy, "all_filters_tok_s": filtered,
             "step_ms_greedy": step_greedy, "step_ms_all_filters": step_filtered,
             "sampling_share": (step_filtered - step_greedy) / step_greedy}
@@ -243,6 +281,7 @@ def main() -> None:
     ap.add_argument("--decode-prompt", type=int, default=512)
     ap.add_argument("--decode-output", type=int, default=256)
     ap.add_argument("--sampling-output", type=int, default=128)
+    ap.add_argument("--profile-sampling", action="store_true", help="profile 24 all-filter decode steps")
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--kv-cache-tokens", type=int, default=None)

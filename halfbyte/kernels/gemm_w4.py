@@ -17,6 +17,8 @@ The reference is quant_matmul.quant_matmul_ref."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from halfbyte.kernels.gemv_w4 import _DEQUANT_PTX, _use_asm
@@ -61,11 +63,29 @@ if HAS_TRITON:
         return tl.dot(xj, w, acc)  # x [BLOCK_M, KW] . W^T [KW, BLOCK_N]
 
     @triton.jit
+    def _x_planes(x_ptr, rm, k0, K, x_mask, BLOCK_M: tl.constexpr, BLOCK_KW: tl.constexpr):
+        """x's tile in its own order, one contiguous load, split in registers into the eight value
+        planes (plane j: x[m, k0 + 8r + j]); no permuted copy of x in memory."""
+        r8 = tl.arange(0, 8)
+        rw = tl.arange(0, BLOCK_KW)
+        offs = rm[:, None, None] * K + k0 + rw[None, :, None] * 8 + r8[None, None, :]
+        x = tl.load(x_ptr + offs, mask=x_mask[:, :, None], other=0.0)  # [BLOCK_M, KW, 8]
+        x = tl.reshape(x, [BLOCK_M, BLOCK_KW, 2, 2, 2])  # j = 4a + 2b + c
+        c0, c1 = tl.split(x)
+        c0b0, c0b1 = tl.split(c0)
+        c1b0, c1b1 = tl.split(c1)
+        x0, x4 = tl.split(c0b0)
+        x2, x6 = tl.split(c0b1)
+        x1, x5 = tl.split(c1b0)
+        x3, x7 = tl.split(c1b1)
+        return x0, x1, x2, x3, x4, x5, x6, x7
+
+    @triton.jit
     def _gemm_w4_kernel(
         xp_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         M, N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-        SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
+        SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, X_SPLIT: tl.constexpr,
     ):
         # out = x W^T, the weight tile as the dot's second operand (staged through shared memory).
         # (The weight as first operand, from registers, did not compile in Triton 3.6 on the H200.)
@@ -103,15 +123,26 @@ if HAS_TRITON:
                 uw = words.to(tl.uint32, bitcast=True)
                 w0, w1, w2, w3 = _plane(uw, 0, s, m8), _plane(uw, 1, s, m8), _plane(uw, 2, s, m8), _plane(uw, 3, s, m8)
                 w4, w5, w6, w7 = _plane(uw, 4, s, m8), _plane(uw, 5, s, m8), _plane(uw, 6, s, m8), _plane(uw, 7, s, m8)
-            x_offs = rm[:, None] * K + k0 + rw[None, :]
-            acc = _acc_plane(acc, w0, xp_ptr, x_offs, x_mask, 0, BLOCK_KW)
-            acc = _acc_plane(acc, w1, xp_ptr, x_offs, x_mask, 1, BLOCK_KW)
-            acc = _acc_plane(acc, w2, xp_ptr, x_offs, x_mask, 2, BLOCK_KW)
-            acc = _acc_plane(acc, w3, xp_ptr, x_offs, x_mask, 3, BLOCK_KW)
-            acc = _acc_plane(acc, w4, xp_ptr, x_offs, x_mask, 4, BLOCK_KW)
-            acc = _acc_plane(acc, w5, xp_ptr, x_offs, x_mask, 5, BLOCK_KW)
-            acc = _acc_plane(acc, w6, xp_ptr, x_offs, x_mask, 6, BLOCK_KW)
-            acc = _acc_plane(acc, w7, xp_ptr, x_offs, x_mask, 7, BLOCK_KW)
+            if X_SPLIT:  # xp_ptr is x itself
+                x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(xp_ptr, rm, k0, K, x_mask, BLOCK_M, BLOCK_KW)
+                acc = tl.dot(x0, w0, acc)
+                acc = tl.dot(x1, w1, acc)
+                acc = tl.dot(x2, w2, acc)
+                acc = tl.dot(x3, w3, acc)
+                acc = tl.dot(x4, w4, acc)
+                acc = tl.dot(x5, w5, acc)
+                acc = tl.dot(x6, w6, acc)
+                acc = tl.dot(x7, w7, acc)
+            else:
+                x_offs = rm[:, None] * K + k0 + rw[None, :]
+                acc = _acc_plane(acc, w0, xp_ptr, x_offs, x_mask, 0, BLOCK_KW)
+                acc = _acc_plane(acc, w1, xp_ptr, x_offs, x_mask, 1, BLOCK_KW)
+                acc = _acc_plane(acc, w2, xp_ptr, x_offs, x_mask, 2, BLOCK_KW)
+                acc = _acc_plane(acc, w3, xp_ptr, x_offs, x_mask, 3, BLOCK_KW)
+                acc = _acc_plane(acc, w4, xp_ptr, x_offs, x_mask, 4, BLOCK_KW)
+                acc = _acc_plane(acc, w5, xp_ptr, x_offs, x_mask, 5, BLOCK_KW)
+                acc = _acc_plane(acc, w6, xp_ptr, x_offs, x_mask, 6, BLOCK_KW)
+                acc = _acc_plane(acc, w7, xp_ptr, x_offs, x_mask, 7, BLOCK_KW)
         # one split-K counter per output tile
         _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n + pid_m * tl.num_programs(0), pid_k, SPLIT_K)
 
@@ -123,6 +154,11 @@ def permute_x(x: torch.Tensor, block_kw: int) -> torch.Tensor:
 
 
 MAX_ROWS = 64
+# x's value planes: a permuted copy first, or split in the kernel. Measured on the H200 (BENCHMARKS.md):
+# the split loses at 64 rows on every shape (8B gate_up 74 -> 153 us) and wins at 16 rows only
+# where (N, K) is listed here (8B o 12.5 -> 10.7 us, 70B qkv 29.6 -> 28.4 us).
+X_SPLIT = os.environ.get("HALFBYTE_GEMM_X", "permute") == "split"
+_SPLIT_AT_16_ROWS = {(4096, 4096), (10240, 8192)}
 
 # (N, K) -> {rows bucket: (block_n, block_kw, warps, stages, split_k or None, block_m or None)}:
 # the H200 sweep's winners (bench/gemv.py --sweep-rows, BENCHMARKS.md); rows 2-16 use the 16
@@ -138,6 +174,13 @@ _TUNED: dict[tuple[int, int], dict[int, tuple[int, int, int, int, int | None, in
 }
 
 
+def x_split_default(n: int, k: int, rows: int) -> bool:
+    """Whether gemm_w4 splits x in the kernel for this shape and rows bucket (16 or 64) by default."""
+    if "HALFBYTE_GEMM_X" in os.environ:
+        return X_SPLIT
+    return rows == 16 and (n, k) in _SPLIT_AT_16_ROWS
+
+
 def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
     """4 bits, fp16, 2-64 rows, K a whole number of 128-k tiles (a dot plane needs K >= 16
     words), groups of whole words."""
@@ -149,9 +192,12 @@ def gemm_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, block_m: int | None = None,
+    x_split: bool | None = None,
 ) -> torch.Tensor:
     """x [2 <= M <= 64, K] fp16 -> [M, N] fp16. block_m < M splits the rows over programs
-    (more programs, each weight tile read once per row block, mostly from L2)."""
+    (more programs, each weight tile read once per row block, mostly from L2). x_split: split x's
+    tiles into value planes in the kernel instead of permuting x first (one launch less per
+    call; default X_SPLIT, HALFBYTE_GEMM_X=permute|split)."""
     m, k = x.shape
     if not supports(x, 4, group_size):
         raise ValueError(f"gemm_w4: unsupported x {tuple(x.shape)} {x.dtype} for 4-bit groups of {group_size}")
@@ -167,7 +213,8 @@ def gemm_w4(
         raise ValueError(f"gemm_w4: block_kw {block_kw} does not tile K = {k}")
     num_warps, num_stages = num_warps or tuned[2], num_stages or tuned[3]
     split_k = split_k if split_k is not None else tuned[4]
-    xp = permute_x(x.contiguous(), block_kw)
+    x_split = x_split_default(n, k, rows) if x_split is None else x_split
+    xp = x.contiguous() if x_split else permute_x(x.contiguous(), block_kw)
     block_m = block_m or tuned[5] or (16 if m <= 16 else 32 if m <= 32 else 64)
     row_blocks = triton.cdiv(m, block_m)
     col_blocks = triton.cdiv(n, block_n)
@@ -175,6 +222,6 @@ def gemm_w4(
     _gemm_w4_kernel[(col_blocks, split_k, row_blocks)](
         xp, qweight, scales, mins, out, partial, counters, m, n, k, k_per_split,
         GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
-        USE_ASM=_use_asm(), num_warps=num_warps, num_stages=num_stages,
+        USE_ASM=_use_asm(), X_SPLIT=x_split, num_warps=num_warps, num_stages=num_stages,
     )
     return out
