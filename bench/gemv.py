@@ -12,8 +12,8 @@ import argparse
 import itertools
 import json
 import sys
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 
