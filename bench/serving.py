@@ -238,7 +238,8 @@ def _profile_steps(engine: LLMEngine, params: list[SamplingParams], prompt: int,
         for _ in range(24):
             run.step()
         prof.disable()
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     print(tprof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
     print(tprof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
     run.until_done()
