@@ -81,6 +81,7 @@ class Run:
         self.token_times: dict[str, list[float]] = {}
         self.added: dict[str, float] = {}
         self.tokens: dict[str, list[int]] = {}
+        self.step_times: list[tuple[float, float]] = []  # (end, duration) of each step() call
 
     def add(self, rid: str, ids: list[int], out_len: int, params: SamplingParams | None = None,
             cache_salt: str | None = None) -> None:
@@ -90,8 +91,10 @@ class Run:
         self.token_times[rid] = []
 
     def step(self) -> None:
+        before = time.perf_counter()
         outs = self.engine.step()  # tokens returned are on the host: their GPU work is done
         now = time.perf_counter()
+        self.step_times.append((now, now - before))
         for o in outs:
             self.token_times[o.request_id].extend([now] * len(o.new_token_ids))
             self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -180,6 +183,19 @@ def case_itl(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) ->
             "max_gap_steady_ms": steady * 1e3, "max_gap_during_prefill_ms": during * 1e3}
 
 
+_last_p50: dict[int, float] = {}  # batch size -> median step() time of the last _decode_rate window
+
+
+def _warm(engine: LLMEngine, n: int, rng: random.Random, params: list[SamplingParams] | None = None) -> None:
+    """Short requests whose lengths differ, so the batch shrinks step by step: every kernel
+    specialization and graph bucket the measurement will meet is compiled before it."""
+    vocab = engine.model_config.vocab_size
+    run = Run(engine)
+    for i in range(n):
+        run.add(f"warm-{rng.random():.6f}-{i}", random_ids(rng, 32, vocab), 2 + i % 16, params[i] if params else None)
+    run.until_done()
+
+
 def _decode_rate(engine: LLMEngine, n: int, prompt: int, output: int, rng: random.Random,
                  params: list[SamplingParams] | None = None, salt: str | None = None) -> tuple[float, list[list[int]]]:
     """Decode tokens/s once every request has its first token, and each request's tokens.
@@ -195,23 +211,31 @@ def _decode_rate(engine: LLMEngine, n: int, prompt: int, output: int, rng: rando
     run.until_done(rids)
     end = max(run.token_times[r][-1] for r in rids)
     tokens = sum(sum(1 for t in run.token_times[r] if t > start) for r in rids)
+    durations = sorted(d for t, d in run.step_times if start < t <= end)
+    _last_p50[n] = durations[len(durations) // 2] if durations else float("nan")
+    if durations:  # the spread of step() calls in the window: one-off stalls show here
+        p50, p90 = durations[len(durations) // 2], durations[int(0.9 * (len(durations) - 1))]
+        print(f"  decode n={n}: {len(durations)} steps, p50 {p50 * 1e3:.2f} ms, p90 {p90 * 1e3:.2f} ms, "
+              f"max {durations[-1] * 1e3:.1f} ms, sum {sum(durations):.3f} s of {end - start:.3f} s", flush=True)
     return tokens / (end - start), [run.tokens[r] for r in rids]
 
 
 def case_decode(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     n, prompt, out = args.decode_requests, args.decode_prompt, args.decode_output
-    for batch in (1, n):  # warm-up: the first step of a batch size compiles kernels and captures its graph
-        _decode_rate(engine, batch, 32, 8, rng)
+    _warm(engine, n, rng)
     one, _ = _decode_rate(engine, 1, prompt, out, rng)
     seed = rng.random()
     many, tokens = _decode_rate(engine, n, prompt, out, random.Random(seed), salt="async")
+    many_p50 = n / _last_p50[n]
     was, engine.async_scheduling = engine.async_scheduling, False
     try:  # the same prompts, computed again (another cache salt), greedy: the same tokens expected
         sync_rate, sync_tokens = _decode_rate(engine, n, prompt, out, random.Random(seed), salt="sync")
+        sync_p50 = n / _last_p50[n]
     finally:
         engine.async_scheduling = was
     return {"requests": n, "prompt": prompt, "output": out, "async_scheduling": was, "decode_tok_s": many,
             "decode_tok_s_sync": sync_rate, "tokens_equal_sync": tokens == sync_tokens,
+            "decode_tok_s_median_step": many_p50, "decode_tok_s_sync_median_step": sync_p50,
             "first_difference": [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None)
                                  for x, y in zip(tokens, sync_tokens) if x != y],
             "batch1_tok_s": one, "ratio_to_batch1": many / one}
@@ -250,16 +274,20 @@ def case_sampling(engine: LLMEngine, args: argparse.Namespace, rng: random.Rando
 
     n, prompt, out = args.decode_requests, args.decode_prompt, args.sampling_output
     params = [make_params(i, typical=True) for i in range(n)]
-    _decode_rate(engine, n, 32, 8, rng)  # warm-up: graphs, and the sampling kernels' first compile
-    _decode_rate(engine, n, 32, 8, rng, params)
+    _warm(engine, n, rng)  # graphs, and the sampling kernels' first compile at each batch size
+    _warm(engine, n, rng, params)
     greedy, _ = _decode_rate(engine, n, prompt, out, rng)
+    p50_greedy = _last_p50[n]
     filtered, _ = _decode_rate(engine, n, prompt, out, rng, params)
+    p50_filtered = _last_p50[n]
     step_greedy, step_filtered = n / greedy * 1e3, n / filtered * 1e3  # ms per engine step
     if args.profile_sampling:
         _profile_steps(engine, [make_params(i, typical=True) for i in range(n)], prompt, rng)
     return {"requests": n, "prompt": prompt, "output": out, "greedy_tok_s": greedy, "all_filters_tok_s": filtered,
             "step_ms_greedy": step_greedy, "step_ms_all_filters": step_filtered,
-            "sampling_share": (step_filtered - step_greedy) / step_greedy}
+            "sampling_share": (step_filtered - step_greedy) / step_greedy,
+            "median_step_ms_greedy": p50_greedy * 1e3, "median_step_ms_all_filters": p50_filtered * 1e3,
+            "sampling_share_median": (p50_filtered - p50_greedy) / p50_greedy}
 
 
 def main() -> None:
@@ -332,14 +360,17 @@ def main() -> None:
     if "decode64" in results:
         r = results["decode64"]
         rows.append(("decode throughput", f"{r['requests']} x (prompt {r['prompt']}, out {r['output']})",
-                     f"{r['decode_tok_s']:.1f} tok/s (sync {r['decode_tok_s_sync']:.1f}, same tokens: "
+                     f"{r['decode_tok_s']:.1f} tok/s, median step {r['decode_tok_s_median_step']:.1f} "
+                     f"(sync {r['decode_tok_s_sync']:.1f}, same tokens: "
                      f"{r['tokens_equal_sync']}), "
                      f"{r['ratio_to_batch1']:.1f}x batch 1 ({r['batch1_tok_s']:.1f})"))
     if "sampling64" in results:
         r = results["sampling64"]
         rows.append(("sampling, all filters", f"{r['requests']} x (prompt {r['prompt']}, out {r['output']})",
                      f"step {r['step_ms_all_filters']:.2f} vs {r['step_ms_greedy']:.2f} ms greedy: "
-                     f"+{100 * r['sampling_share']:.1f}% of the step"))
+                     f"+{100 * r['sampling_share']:.1f}% of the step; median steps "
+                     f"{r['median_step_ms_all_filters']:.2f} vs {r['median_step_ms_greedy']:.2f} ms: "
+                     f"+{100 * r['sampling_share_median']:.1f}%"))
     width = max(len(a) for a, _, _ in rows)
     wid2 = max(len(b) for _, b, _ in rows)
     for a, b, c in rows:

@@ -73,6 +73,14 @@ class CudaGraphDecoder:
         self.pool = graph.pool()
         self.graphs[bs] = graph
 
+    def capture_all(self) -> None:
+        """Capture every bucket now (at engine start, as vLLM does): a lazy capture in the middle
+        of serving stalls every running request for its warm-up and capture (~0.1-0.5 s each,
+        seen when a batch shrinks into a new bucket)."""
+        for bs in self.buckets:
+            if bs not in self.graphs:
+                self.capture(bs)
+
     def _reset_padding(self, start: int, end: int) -> None:
         self.input_ids[start:end] = 0
         self.positions[start:end] = 0

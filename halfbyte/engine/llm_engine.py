@@ -102,6 +102,8 @@ class LLMEngine:
             from halfbyte.distributed.engine_setup import attach
 
             attach(self.tp, self.pool, self.runner)
+        if self.runner.graphs is not None:
+            self.runner.graphs.capture_all()
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         async_default = self.device.type == "cuda" and self.tp is None  # ranks step in lockstep: not yet

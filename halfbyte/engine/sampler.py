@@ -201,7 +201,7 @@ class Sampler:
             if p.min_tokens and len(seq.token_ids) - len(seq.prompt_token_ids) < p.min_tokens:
                 flat.extend(i * vocab + t for t in self.eos_token_ids | set(p.stop_token_ids) if t < vocab)
         if flat:
-            x.view(-1).index_fill_(0, torch.tensor(flat, dtype=torch.int64, device=x.device), float("-inf"))
+            x.view(-1).index_fill_(0, torch.tensor(flat, dtype=torch.int64).to(x.device, non_blocking=True), float("-inf"))
 
     @staticmethod
     def _filter_params(rows: _RowTensors, vocab: int) -> FilterParams | None:
@@ -216,7 +216,7 @@ class Sampler:
         return FilterParams(
             top_k=rows.ints[:, 1], top_p=rows.floats[:, 4], typical_p=rows.floats[:, 5], min_p=rows.floats[:, 6],
             max_top_k=max_top_k, use_top_p=use_top_p,
-            typical_rows=torch.tensor(typical_rows, dtype=torch.int64, device=dev) if typical_rows else None,
+            typical_rows=torch.tensor(typical_rows, dtype=torch.int64).to(dev, non_blocking=True) if typical_rows else None,
             use_min_p=use_min_p,
             candidates_only=max_top_k > 0 and all(k < vocab or r[2] for k, r in zip(top_k, rows.host_ints, strict=True)),
         )
