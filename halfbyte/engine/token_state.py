@@ -68,6 +68,10 @@ class TokenStatePool:
             self.additive[slot].zero_()
             self._free.append(slot)
 
+    def _to_device(self, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
+        """A non-blocking copy: a blocking one would wait for the step in flight."""
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
     def _admit(self, seq: SampledSequence) -> _RowState:
         if not self._free:
             self._grow()
@@ -76,22 +80,22 @@ class TokenStatePool:
         window = p.penalty_window
         prompt = seq.prompt_token_ids
         if window is None:  # vLLM: repetition sees prompt + output; frequency / presence the output
-            self.prompt_seen[slot, torch.tensor(prompt, dtype=torch.int64, device=self.device)] = 1
+            self.prompt_seen[slot, self._to_device(prompt, torch.int64)] = 1
             counted_from = len(prompt)
         else:  # the window spans prompt and output alike
             counted_from = max(0, len(seq.token_ids) - window)
         known = _known_length(seq.token_ids)  # a trailing placeholder is counted by slots_for
-        tail = torch.tensor(seq.token_ids[counted_from:known], dtype=torch.int64, device=self.device)
+        tail = self._to_device(seq.token_ids[counted_from:known], torch.int64)
         self.counts[slot].index_add_(0, tail, torch.ones_like(tail, dtype=torch.int32))
         additive = self.additive[slot]
         if p.allowed_token_ids is not None:
             additive.fill_(float("-inf"))
-            additive[torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=self.device)] = 0.0
+            additive[self._to_device(p.allowed_token_ids, torch.int64)] = 0.0
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=self.device)
-            additive[ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)
+            ids = self._to_device(list(p.logit_bias), torch.int64)
+            additive[ids] += self._to_device(list(p.logit_bias.values()), torch.float32)
         if p.bad_token_ids:
-            additive[torch.tensor(p.bad_token_ids, dtype=torch.int64, device=self.device)] = float("-inf")
+            additive[self._to_device(p.bad_token_ids, torch.int64)] = float("-inf")
         state = _RowState(slot, known)
         self._rows[seq] = state
         weakref.finalize(seq, self._release, slot)
@@ -129,20 +133,18 @@ class TokenStatePool:
                     delta.append(-1)
             state.num_seen = len(tokens)
             slots.append(state.slot)
-        if flat:  # non-blocking copies: no wait for a step in flight
+        if flat:
             self.counts.view(-1).index_add_(
-                0, torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True),
-                torch.tensor(delta, dtype=torch.int32).to(self.device, non_blocking=True),
+                0, self._to_device(flat, torch.int64), self._to_device(delta, torch.int32),
             )
         if pending_base:
             assert previous_tokens is not None, "a placeholder token without the step it names"
-            rows = torch.tensor(pending_row, dtype=torch.int64).to(self.device, non_blocking=True)
-            bases = torch.tensor(pending_base, dtype=torch.int64).to(self.device, non_blocking=True)
+            rows, bases = self._to_device(pending_row, torch.int64), self._to_device(pending_base, torch.int64)
             self.counts.view(-1).index_add_(0, bases + previous_tokens[rows], torch.ones_like(bases, dtype=torch.int32))
         last = self._last_slots
         if last is not None and last[0] == slots:  # the same batch as last step: no copy
             return last[1]
-        out = torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
+        out = self._to_device(slots, torch.int32)
         self._last_slots = (slots, out)
         return out
 
