@@ -1,7 +1,8 @@
 """Async scheduling (engine/launched_step.py): the engine launches the next decode step before it
 reads the previous step's tokens. On the real default model (CPU), with requests arriving, stopping
 by EOS, stop strings and length, sampling with seeds, filters and penalties (which count a token
-in flight on the device), asking for logprobs (which keep their steps synchronous), aborted mid-flight and preempted by a small pool,
+in flight on the device), asking for logprobs (read with the tokens) or running a logits processor
+(which keeps its steps synchronous), aborted mid-flight and preempted by a small pool,
 every request gets exactly the tokens, text and finish reason of the synchronous engine; and the
 engine does run ahead, on the eager path and through the decode-graph rows."""
 
@@ -19,16 +20,19 @@ from halfbyte.sampling_params import SamplingParams
 
 from .test_token_rows import EagerGraphs
 
-PROMPTS = ["The river", "Once upon a time", "List three colors:", "def add(a, b):", "Paris is", "1, 2, 3,", "a a a"]
+PROMPTS = ["The river", "Once upon a time", "List three colors:", "def add(a, b):", "Paris is", "1, 2, 3,", "a a a",
+           "Hello"]
 PARAMS = [
     SamplingParams(max_tokens=9, temperature=0),  # may stop at EOS
     SamplingParams(max_tokens=12, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignore_eos=True),
     SamplingParams(max_tokens=7, temperature=1.0, min_p=0.05, seed=3, stop=[","]),
-    SamplingParams(max_tokens=5, temperature=0, logprobs=2, ignore_eos=True),  # steps stay synchronous
+    SamplingParams(max_tokens=5, temperature=0, logprobs=2, ignore_eos=True),
     SamplingParams(max_tokens=10, temperature=0.7, seed=11, ignore_eos=True),
     SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3, ignore_eos=True),  # counts in flight
     SamplingParams(max_tokens=9, temperature=0.9, seed=5, frequency_penalty=0.8, presence_penalty=0.5,
                    penalty_window=4, logit_bias={11: 2.0}, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,  # host callable: synchronous steps
+                   logits_processors=[lambda out, row: row - 5.0 * (torch.arange(row.numel()) % 7 == len(out) % 7)]),
 ]
 
 
@@ -82,7 +86,7 @@ class LaunchLog:
         eng.runner.launch = logged  # type: ignore[method-assign]
 
 
-ARRIVALS = [(0, 0), (0, 1), (0, 2), (2, 3), (4, 4), (9, 5), (10, 6)]
+ARRIVALS = [(0, 0), (0, 1), (0, 2), (2, 3), (4, 4), (9, 5), (10, 6), (12, 7)]
 
 
 def test_async_equals_sync_on_mixed_requests(default_model_dir: Path) -> None:
@@ -91,11 +95,11 @@ def test_async_equals_sync_on_mixed_requests(default_model_dir: Path) -> None:
     log = LaunchLog(eng)
     got = drive(eng, ARRIVALS)
     assert got == want
-    assert log.ahead >= 2  # only outside the logprobs request's steps (synchronous)
+    assert log.ahead >= 2  # only outside the logits-processor request's steps (synchronous)
 
 
 def test_decodes_run_ahead(default_model_dir: Path) -> None:
-    arrivals = [(0, 1), (0, 2), (0, 4), (0, 6)]  # seeds, filters, penalties: every step may run ahead
+    arrivals = [(0, 1), (0, 2), (0, 3), (0, 4), (0, 6)]  # seeds, filters, penalties, logprobs: all run ahead
     want = drive(engine(default_model_dir, False), arrivals)
     eng = engine(default_model_dir, True)
     log = LaunchLog(eng)

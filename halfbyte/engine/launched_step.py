@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from halfbyte.engine.sampler import PendingLogprobs
 from halfbyte.engine.scheduler import ScheduledBatch
 from halfbyte.engine.sequence import Sequence
 
@@ -32,37 +33,46 @@ def resolve_placeholders(input_ids: torch.Tensor, previous: torch.Tensor | None)
     return torch.where(input_ids < 0, previous[rows], input_ids)
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy on the host that arrives in the background (pinned memory), for CUDA tensors."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 @dataclass
 class LaunchedStep:
     batch: ScheduledBatch
     sampling: list[Sequence]  # the batch's sequences that sample a token, in token order
     slots: list[int]  # where each one's placeholder sits in its token_ids
     tokens: torch.Tensor  # [S] int64 on the device
-    logits: torch.Tensor | None  # kept only when a row asks for logprobs (read before the next launch)
     host: torch.Tensor  # [S] int64 on the host (pinned on CUDA): the copy in flight
-    ready: torch.cuda.Event | None  # recorded after the copy; None on the CPU
+    logprobs: PendingLogprobs | None  # host copies in flight, for the rows that asked
+    ready: torch.cuda.Event | None  # recorded after the copies; None on the CPU
 
     @classmethod
     def start(cls, batch: ScheduledBatch, sampling: list[Sequence], tokens: torch.Tensor,
-              logits: torch.Tensor | None) -> LaunchedStep:
-        """Begin the copy of the tokens to the host and put a placeholder at the end of each
-        sampling sequence (its token count is then what it will be once the token is known)."""
+              logprobs: PendingLogprobs | None) -> LaunchedStep:
+        """Begin the copies of the tokens (and logprobs) to the host and put a placeholder at the
+        end of each sampling sequence (its token count is then what it will be once known)."""
+        host = _to_host(tokens)
+        if logprobs is not None:
+            logprobs = PendingLogprobs(logprobs.rows, logprobs.top_n, *map(_to_host, logprobs.tensors()))
         ready = None
         if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        else:
-            host = tokens
         slots = []
         for row, seq in enumerate(sampling):
             slots.append(len(seq.token_ids))
             seq.token_ids.append(placeholder(row))
-        return cls(batch, sampling, slots, tokens, logits, host, ready)
+        return cls(batch, sampling, slots, tokens, host, logprobs, ready)
 
     def token_list(self) -> list[int]:
-        """The sampled tokens; waits for this step only (later launches keep running)."""
+        """The sampled tokens; waits for this step only (later launches keep running). The
+        logprobs' host copies are complete after it too."""
         if self.ready is not None:
             self.ready.synchronize()
         return self.host.tolist()

@@ -235,12 +235,11 @@ class LLMEngine:
 
     def _may_defer(self, launched: LaunchedStep) -> bool:
         """Whether the next step may be launched before this one's tokens are read: every row
-        samples, and none needs its tokens on the host to sample (logits processors) or returns
-        logprobs (read from the logits, which the next launch overwrites). Penalties count a
-        token in flight on the device (token_state.py)."""
+        samples, and none needs its tokens on the host to sample (logits processors). Penalties
+        count a token in flight on the device (token_state.py); logprobs travel with the tokens."""
         if not self.async_scheduling or not launched.sampling or not all(launched.batch.samples):
             return False
-        return not any(s.params.logits_processors or s.params.logprobs is not None for s in launched.sampling)
+        return not any(s.params.logits_processors for s in launched.sampling)
 
     def _can_run_ahead(self, previous: LaunchedStep) -> bool:
         """Whether the next step is exactly previous's sequences decoding the tokens in flight:
@@ -258,10 +257,7 @@ class LLMEngine:
     def _complete(self, launched: LaunchedStep) -> list[StepOutput]:
         """Read a launched step's tokens, put them in place of its placeholders, check stops."""
         tokens = launched.token_list()
-        logprobs: list[dict[int, float] | None] = [None] * len(tokens)
-        if launched.logits is not None:
-            params = [s.params for s in launched.sampling]
-            logprobs = self.runner.sampler.logprobs(launched.logits, launched.tokens, tokens, params)
+        logprobs = launched.logprobs.entries(tokens) if launched.logprobs is not None else [None] * len(tokens)
         sampled = iter(zip(launched.slots, tokens, logprobs, strict=True))
         outputs = []
         for seq, samples in zip(launched.batch.seqs, launched.batch.samples, strict=True):

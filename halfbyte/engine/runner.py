@@ -139,5 +139,5 @@ class ModelRunner:
             tokens = self.sampler.sample_async(logits, sampling, previous_tokens)
         else:
             tokens = torch.empty(0, dtype=torch.int64, device=logits.device)
-        wants_logprobs = any(s.params.logprobs is not None for s in sampling)
-        return LaunchedStep.start(batch, sampling, tokens, logits if wants_logprobs else None)
+        logprobs = self.sampler.logprobs_async(logits, tokens, [s.params for s in sampling]) if sampling else None
+        return LaunchedStep.start(batch, sampling, tokens, logprobs)

@@ -222,21 +222,44 @@ class Sampler:
         )
 
     @staticmethod
-    def logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int], params: list[SamplingParams]) -> list[Logprobs | None]:
-        """The model's own distribution (before penalties and filters), fp32."""
+    def logprobs_async(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> PendingLogprobs | None:
+        """The model's own distribution (before penalties and filters), fp32, for the rows that
+        ask: computed on the device, read later (PendingLogprobs.entries)."""
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        out: list[Logprobs | None] = [None] * len(params)
         if not want:
-            return out
-        idx = torch.tensor(want, dtype=torch.int64, device=raw.device)
+            return None
+        idx = torch.tensor(want, dtype=torch.int64).to(raw.device, non_blocking=True)
         logp = raw[idx].float().log_softmax(dim=1)  # [R, V]
         top_n = max(params[i].logprobs or 0 for i in want)
-        sampled = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
+        sampled = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)  # [R]
         top_vals, top_ids = logp.topk(max(top_n, 1), dim=1)  # [R, N]
-        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-        for r, i in enumerate(want):
-            n = params[i].logprobs or 0
-            entry = {int(t): float(v) for t, v in zip(top_ids_l[r][:n], top_vals_l[r][:n], strict=True)}
+        return PendingLogprobs(want, [params[i].logprobs or 0 for i in want], sampled, top_vals, top_ids)
+
+    @staticmethod
+    def logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int], params: list[SamplingParams]) -> list[Logprobs | None]:
+        pending = Sampler.logprobs_async(raw, tokens, params)
+        return pending.entries(token_list) if pending is not None else [None] * len(params)
+
+
+@dataclass
+class PendingLogprobs:
+    """Logprob tensors of the rows that asked (device, or host copies of them)."""
+
+    rows: list[int]  # the batch rows that asked
+    top_n: list[int]  # how many top entries each asked for
+    sampled: torch.Tensor  # [R] the sampled token's logprob
+    top_vals: torch.Tensor  # [R, N]
+    top_ids: torch.Tensor  # [R, N]
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.sampled, self.top_vals, self.top_ids
+
+    def entries(self, token_list: list[int]) -> list[Logprobs | None]:
+        """Per batch row (None where not asked): top-N token ids -> logprob, plus the sampled token."""
+        out: list[Logprobs | None] = [None] * len(token_list)
+        sampled, vals, ids = self.sampled.tolist(), self.top_vals.tolist(), self.top_ids.tolist()
+        for r, (i, n) in enumerate(zip(self.rows, self.top_n, strict=True)):
+            entry = {int(t): float(v) for t, v in zip(ids[r][:n], vals[r][:n], strict=True)}
             entry[token_list[i]] = sampled[r]
             out[i] = entry
         return out
