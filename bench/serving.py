@@ -9,6 +9,8 @@ Cases (each a row of the final table, all written to --out as JSON):
   decode64    --decode-requests x (prompt --decode-prompt, output --decode-output): decode
               tokens/s once all have their first token, with and without async scheduling,
               and its ratio to one request alone
+  asynccheck  --check-requests requests mixing greedy, seeded filters, penalties and logprobs
+              (prompt 64, output 32), with async scheduling and without: tokens and logprobs equal
   sampling64  the same batch sampling with every filter on (bench/sampling.py's parameters:
               temperature, top-k, top-p, min-p, typical, penalties, logit bias, seeds) against
               greedy, output --sampling-output: what sampling adds to a step, as a share of it
@@ -81,6 +83,7 @@ class Run:
         self.token_times: dict[str, list[float]] = {}
         self.added: dict[str, float] = {}
         self.tokens: dict[str, list[int]] = {}
+        self.logprobs: dict[str, list[dict[int, float]]] = {}
         self.step_times: list[tuple[float, float]] = []  # (end, duration) of each step() call
 
     def add(self, rid: str, ids: list[int], out_len: int, params: SamplingParams | None = None,
@@ -97,6 +100,7 @@ class Run:
         self.step_times.append((now, now - before))
         for o in outs:
             self.token_times[o.request_id].extend([now] * len(o.new_token_ids))
+            self.logprobs.setdefault(o.request_id, []).extend(o.logprobs or [])
             self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
 
     def until_done(self, rids: list[str] | None = None) -> None:
@@ -274,6 +278,29 @@ def _profile_steps(engine: LLMEngine, params: list[SamplingParams], prompt: int,
     run.until_done()
 
 
+def case_async_check(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    from sampling import make_params
+
+    n, vocab = args.check_requests, engine.model_config.vocab_size
+    kinds = [SamplingParams(temperature=0), make_params(1, typical=True),
+             SamplingParams(temperature=0.8, top_p=0.9, seed=5, repetition_penalty=1.2, logprobs=3),
+             SamplingParams(temperature=0, logprobs=1, frequency_penalty=0.5)]
+    prompts = [random_ids(rng, 64, vocab) for _ in range(n)]
+    results = []
+    was = engine.async_scheduling
+    for on in (True, False):
+        engine.async_scheduling = on
+        run = Run(engine)
+        for i, ids in enumerate(prompts):
+            run.add(f"check-{on}-{i}", ids, 32, kinds[i % len(kinds)], cache_salt=f"check-{on}")
+        run.until_done()
+        results.append([(run.tokens[f"check-{on}-{i}"], run.logprobs.get(f"check-{on}-{i}", [])) for i in range(n)])
+    engine.async_scheduling = was
+    same = [a == b for a, b in zip(*results, strict=True)]
+    return {"requests": n, "equal": sum(same), "all_equal": all(same),
+            "logprob_tokens": sum(len(lp) for _, lp in results[0])}
+
+
 def case_sampling(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     from sampling import make_params
 
@@ -315,6 +342,7 @@ def main() -> None:
     ap.add_argument("--decode-prompt", type=int, default=512)
     ap.add_argument("--decode-output", type=int, default=256)
     ap.add_argument("--sampling-output", type=int, default=128)
+    ap.add_argument("--check-requests", type=int, default=16)
     ap.add_argument("--profile-sampling", action="store_true", help="profile 24 all-filter decode steps")
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -338,7 +366,7 @@ def main() -> None:
         label = f"{Path(str(model)).name} fp32, CPU"
     rng = random.Random(0)
     runners = {"throughput": case_throughput, "prefix": case_prefix, "itl": case_itl, "decode64": case_decode,
-               "sampling64": case_sampling}
+               "sampling64": case_sampling, "asynccheck": case_async_check}
     results: dict[str, Any] = {"device": label, "torch": torch.__version__, "pages": engine.pool.num_pages,
                                "page_size": engine.pool.page_size, "args": vars(args)}
     for name in args.cases.split(","):
@@ -370,6 +398,10 @@ def main() -> None:
                      f"(sync {r['decode_tok_s_sync']:.1f}, same tokens: "
                      f"{r['tokens_equal_sync']}), "
                      f"{r['ratio_to_batch1']:.1f}x batch 1 ({r['batch1_tok_s']:.1f})"))
+    if "asynccheck" in results:
+        r = results["asynccheck"]
+        rows.append(("async vs sync outputs", f"{r['requests']} mixed requests, {r['logprob_tokens']} logprob tokens",
+                     f"{r['equal']}/{r['requests']} equal (tokens and logprobs)"))
     if "sampling64" in results:
         r = results["sampling64"]
         rows.append(("sampling, all filters", f"{r['requests']} x (prompt {r['prompt']}, out {r['output']})",

@@ -6,6 +6,8 @@ whose new tokens fit a bucket replays it with one row per token (engine/token_ro
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from halfbyte.kernels.attention import AttentionMetadata
@@ -45,7 +47,7 @@ class CudaGraphDecoder:
         model.rotary.reserve(max_seq_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool: Any = None  # the graphs' shared memory pool handle
 
     def _forward(self, bs: int) -> torch.Tensor:
         meta = AttentionMetadata(
