@@ -328,7 +328,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b", help="GPU: random-weight shape from bench/random_model.py")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--model", default=None, help="CPU: a model directory (default: SmolLM2)")
-    ap.add_argument("--cases", default="throughput,prefix,itl,decode64,sampling64")
+    ap.add_argument("--cases", default="throughput,prefix,itl,decode64,sampling64,asynccheck")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-min", type=int, default=16)
     ap.add_argument("--prompt-max", type=int, default=1024)

@@ -308,7 +308,7 @@ class AsyncLLM:
                     outputs = self.engine.step()
                     if outputs:
                         self._dispatch(outputs)
-                    else:
+                    elif not getattr(self.engine, "step_in_flight", False):
                         time.sleep(0.001)  # nothing schedulable this step; don't spin hot
                 self._snapshot_stats()
         except BaseException as e:  # a bug in the engine: fail every request, refuse new ones

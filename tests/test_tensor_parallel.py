@@ -245,9 +245,10 @@ def test_torchrun_launched_ranks_match_single_process(tokenizer_dir: Path, tmp_p
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     subprocess.run([sys.executable, str(script), str(d), "none", str(tmp_path / "ref.json")],
                    check=True, env=env, timeout=120)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    str(script), str(d), "2", str(tmp_path / "tp.json")], check=True, env=env, timeout=180,
-                   capture_output=True)
+    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            str(script), str(d), "2", str(tmp_path / "tp.json")], env=env, timeout=180,
+                           capture_output=True, text=True)
+    assert ranks.returncode == 0, f"torchrun failed:\n{ranks.stdout[-3000:]}\n{ranks.stderr[-3000:]}"
     ref = json.loads((tmp_path / "ref.json").read_text())
     assert json.loads((tmp_path / "tp.json").read_text()) == ref
     assert all(len(ids) == 5 for ids in ref)

@@ -210,6 +210,11 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "abort"
 
+    @property
+    def step_in_flight(self) -> bool:
+        """A launched step whose tokens the next step() reads (async scheduling)."""
+        return self._in_flight is not None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 
