@@ -3,7 +3,8 @@
 # Usage (device tool): [STEPS="tests parity decode ..."] bash bench/gpu_check.sh
 #   steps: tests (kernels vs references), parity (GPU vs CPU engine on SmolLM2, batched vs alone),
 #   decode (8B batch-1 decode + prefill), gemv (per-shape GB/s), sampling, tp (tensor-parallel 1
-#   vs plain), serving (issue 5's GPU cases), triton_prefill (the opt-in prefill attention kernel).
+#   vs plain), serving (issue 5's GPU cases), triton_prefill (the opt-in prefill attention kernel),
+#   exl2 (exllamav2 0.3.2 on a GPTQ checkpoint of the same shape, after decode: ratios).
 #   Default: tests parity decode gemv; FULL=1: every step. Each step has a timeout so one hang
 #   cannot eat the call. parity needs the default GGUF split into .gguf_a/part + .gguf_b/part
 #   (carried in two back-to-back calls, see BENCHMARKS.md) and the gguf wheel in .whl/.
@@ -39,6 +40,9 @@ step_parity() {
 }
 step_decode() {
   timeout 150 python3 bench/decode.py --shape llama3-8b --json "$OUT/decode_8b.json" 2>&1 | tail -5
+}
+step_exl2() {  # after decode in the same call: STEPS="decode exl2"; needs .whl/exllamav2-0.3.2-py3-none-any.whl
+  timeout 480 python3 bench/exllamav2_compare.py --json "$OUT/exl2.json" --halfbyte-json "$OUT/decode_8b.json" 2>&1 | tail -8
 }
 step_profile64() {
   timeout 150 python3 bench/decode.py --shape llama3-8b --profile-batch 64 --context 512 > "$OUT/profile64.txt" 2>&1
