@@ -4,7 +4,7 @@
 #   steps: tests (kernels vs references), parity (GPU vs CPU engine on SmolLM2, batched vs alone),
 #   decode (8B batch-1 decode + prefill), gemv (per-shape GB/s), sampling, tp (tensor-parallel 1
 #   vs plain), serving (issue 5's GPU cases), triton_prefill (the opt-in prefill attention kernel),
-#   exl2 (exllamav2 0.3.2 on a GPTQ checkpoint of the same shape, after decode: ratios).
+#   decode_nopdl / profile64_nopdl (the same with HALFBYTE_PDL=0), exl2 (exllamav2 0.3.2 on a GPTQ checkpoint of the same shape, after decode: ratios).
 #   Default: tests parity decode gemv; FULL=1: every step. Each step has a timeout so one hang
 #   cannot eat the call. parity needs the default GGUF split into .gguf_a/part + .gguf_b/part
 #   (carried in two back-to-back calls, see BENCHMARKS.md) and the gguf wheel in .whl/.
@@ -41,12 +41,18 @@ step_parity() {
 step_decode() {
   timeout 150 python3 bench/decode.py --shape llama3-8b --json "$OUT/decode_8b.json" 2>&1 | tail -5
 }
+step_decode_nopdl() {  # the same decode without programmatic dependent launch (HALFBYTE_PDL=0)
+  HALFBYTE_PDL=0 timeout 150 python3 bench/decode.py --shape llama3-8b --json "$OUT/decode_8b_nopdl.json" 2>&1 | tail -5
+}
 step_exl2() {  # after decode in the same call: STEPS="decode exl2"; needs .whl/exllamav2-0.3.2-py3-none-any.whl
   timeout 480 python3 bench/exllamav2_compare.py --json "$OUT/exl2.json" --halfbyte-json "$OUT/decode_8b.json" 2>&1 | tail -8
 }
 step_profile64() {
   timeout 150 python3 bench/decode.py --shape llama3-8b --profile-batch 64 --context 512 > "$OUT/profile64.txt" 2>&1
   grep -E "graphed decode step|Self CUDA time total|Self CPU time total" "$OUT/profile64.txt"
+}
+step_profile64_nopdl() {
+  HALFBYTE_PDL=0 timeout 150 python3 bench/decode.py --shape llama3-8b --profile-batch 64 --context 512 2>&1 | grep "graphed decode step"
 }
 step_attention() {
   timeout 120 python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tail -4

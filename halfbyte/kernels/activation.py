@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from halfbyte.kernels.dispatch import use_triton
-from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
+from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
 
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -18,7 +18,8 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 if HAS_TRITON:
 
     @triton.jit
-    def _silu_and_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_sync(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -36,7 +37,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     rows = gate_up.numel() // (2 * inter)
     out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4, **pdl_args(gate_up.device))
     return out
 
 

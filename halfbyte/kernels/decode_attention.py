@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from halfbyte.kernels.triton_utils import HAS_TRITON, next_power_of_2, tl, triton
+from halfbyte.kernels.triton_utils import HAS_TRITON, next_power_of_2, pdl_args, pdl_sync, tl, triton
 
 if HAS_TRITON:
 
@@ -18,8 +18,9 @@ if HAS_TRITON:
         stride_qb, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
         scale, pages_per_split, num_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-        PAGES_PER_TILE: tl.constexpr,
+        PAGES_PER_TILE: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_sync(PDL)
         b = tl.program_id(0).to(tl.int64)
         kh = tl.program_id(1)
         split = tl.program_id(2)
@@ -60,7 +61,10 @@ if HAS_TRITON:
         tl.store(ml_ptr + row * 2 + 1, l, mask=gmask)
 
     @triton.jit
-    def _decode_merge_kernel(acc_ptr, ml_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    def _decode_merge_kernel(
+        acc_ptr, ml_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr
+    ):
+        pdl_sync(PDL)
         row = tl.program_id(0).to(tl.int64)  # b * Hq + h
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, HEAD_DIM)
@@ -105,8 +109,9 @@ def decode_attention_triton(
         scale, pages_per_split, splits,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page_size,
         PAGES_PER_TILE=pages_per_tile or max(1, 64 // page_size),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_args(q.device),
     )
     out = torch.empty_like(q)
-    _decode_merge_kernel[(batch * num_heads,)](acc, ml, out, splits, HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(splits))
+    _decode_merge_kernel[(batch * num_heads,)](acc, ml, out, splits, HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(splits),
+                                                 **pdl_args(q.device))
     return out

@@ -23,7 +23,7 @@ import torch
 
 from halfbyte.kernels.gemv_w4 import _DEQUANT_PTX, _use_asm
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
-from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
+from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
 # _DEQUANT_PTX leaves q - 8 for the value pairs (0,4) (1,5) (2,6) (3,7) in q04..q37; one f16x2
 # FMA each makes them weights. $8 = the word, $9 = (s, s), $10 = (m + 8s, m + 8s) as half2.
@@ -85,8 +85,9 @@ if HAS_TRITON:
         xp_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         M, N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-        SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, X_SPLIT: tl.constexpr,
+        SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, X_SPLIT: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_sync(PDL)
         # out = x W^T, the weight tile as the dot's second operand (staged through shared memory).
         # (The weight as first operand, from registers, did not compile in Triton 3.6 on the H200.)
         T: tl.constexpr = BLOCK_KW * 8
@@ -223,5 +224,6 @@ def gemm_w4(
         xp, qweight, scales, mins, out, partial, counters, m, n, k, k_per_split,
         GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
         USE_ASM=_use_asm(), X_SPLIT=x_split, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(x.device),
     )
     return out

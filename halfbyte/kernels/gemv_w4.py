@@ -24,7 +24,7 @@ import os
 import torch
 
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
-from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
+from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
 # q - 8 for the 8 nibbles of a word as 4 half2 registers: pairs (0,4) (1,5) (2,6) (3,7).
 # BOTTOM nibbles (bits 0-3 of each half) -> 1024 + q, minus 1032; TOP (bits 4-7) -> 1024 + 16q,
@@ -92,8 +92,9 @@ if HAS_TRITON:
         x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
-        USE_ASM: tl.constexpr,
+        USE_ASM: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_sync(PDL)
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -188,6 +189,6 @@ def gemv_w4(
     _gemv_w4_m1_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
         GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, USE_ASM=_use_asm(),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
     return out

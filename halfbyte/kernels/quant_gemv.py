@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
+from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -70,8 +70,9 @@ if HAS_TRITON:
         x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         M, N, K, k_per_split,
         BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr, UNROLL: tl.constexpr,
+        BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_sync(PDL)
         VALS: tl.constexpr = 32 // BITS
         BLOCK_K: tl.constexpr = BLOCK_KW * VALS
         pid_n = tl.program_id(0)
@@ -167,6 +168,6 @@ def gemv_triton(
     _gemv_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, m, n, k, k_per_split,
         BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
-        UNROLL=bool(unroll), num_warps=num_warps, num_stages=num_stages,
+        UNROLL=bool(unroll), num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
     return out

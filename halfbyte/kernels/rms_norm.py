@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from halfbyte.kernels.dispatch import use_triton
-from halfbyte.kernels.triton_utils import HAS_TRITON, next_power_of_2, tl, triton
+from halfbyte.kernels.triton_utils import HAS_TRITON, next_power_of_2, pdl_args, pdl_sync, tl, triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,8 +33,9 @@ if HAS_TRITON:
     def _rms_norm_kernel(
         x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
         n_cols, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_sync(PDL)
         # one program per row; the row fits in registers (hidden sizes up to 16k)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -65,7 +66,7 @@ def rms_norm_triton(
     _rms_norm_kernel[(rows,)](
         x, residual.contiguous() if residual is not None else x, weight, out,
         res_out if res_out is not None else out, n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl_args(x.device),
     )
     return out, res_out
 

@@ -7,7 +7,7 @@ import torch
 
 from halfbyte.kernels.attention import store_kv_ref
 from halfbyte.kernels.dispatch import use_triton
-from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
+from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -54,8 +54,9 @@ if HAS_TRITON:
         q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr, slot_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
         num_q_heads, num_kv_heads,
-        HALF: tl.constexpr,
+        HALF: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_sync(PDL)
         # one program per (token, head); heads [0, Hq) are q, [Hq, Hq + Hkv) are k (+ v)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -99,7 +100,7 @@ def rope_and_store_triton(
     _rope_store_kernel[(tokens, num_q_heads + num_kv_heads)](
         q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        num_q_heads, num_kv_heads, HALF=head_dim // 2, num_warps=1,
+        num_q_heads, num_kv_heads, HALF=head_dim // 2, num_warps=1, **pdl_args(q.device),
     )
     return q_out
 
