@@ -4,7 +4,7 @@
 #   steps: tests (kernels vs references), parity (GPU vs CPU engine on SmolLM2, batched vs alone),
 #   decode (8B batch-1 decode + prefill), gemv (per-shape GB/s), sampling, tp (tensor-parallel 1
 #   vs plain), serving (issue 5's GPU cases), triton_prefill (the opt-in prefill attention kernel),
-#   decode_nopdl / profile64_nopdl (the same with HALFBYTE_PDL=0), exl2 (exllamav2 0.3.2 on a GPTQ checkpoint of the same shape, after decode: ratios).
+#   decode_nopdl / profile64_nopdl / gemv_nopdl (the same with HALFBYTE_PDL=0), exl2 (exllamav2 0.3.2 on a GPTQ checkpoint of the same shape, after decode: ratios).
 #   Default: tests parity decode gemv; FULL=1: every step. Each step has a timeout so one hang
 #   cannot eat the call. parity needs the default GGUF split into .gguf_a/part + .gguf_b/part
 #   (carried in two back-to-back calls, see BENCHMARKS.md) and the gguf wheel in .whl/.
@@ -59,6 +59,9 @@ step_attention() {
 }
 step_gemv() {
   timeout 300 python3 bench/gemv.py --json "$OUT/gemv.json" ${GEMV_ARGS:-} 2>"$OUT/gemv.err" | tail -11
+}
+step_gemv_nopdl() {
+  HALFBYTE_PDL=0 timeout 300 python3 bench/gemv.py --json "$OUT/gemv_nopdl.json" ${GEMV_ARGS:-} 2>"$OUT/gemv_nopdl.err" | tail -11
 }
 step_sampling() {
   timeout 120 python3 bench/sampling.py --json "$OUT/sampling.json" 2>&1 | tail -6

@@ -88,54 +88,73 @@ if HAS_TRITON:
         return p04, p15, p26, p37, xs
 
     @triton.jit
+    def _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
+                 GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+        """acc [KW, N] fp32 += one tile's contribution: words [KW, N] hold k = k0 .. k0 + 8 KW."""
+        BLOCK_K: tl.constexpr = BLOCK_KW * 8
+        w_row = k0 // 8 + tl.arange(0, BLOCK_KW)
+        row_ok = w_row * 8 < k_end
+        p04, p15, p26, p37, xs = _x_pairs(x_ptr, w_row, row_ok)
+        if USE_ASM:  # [KW, N] fp32: sum over each word's 8 values of (q - 8) * x
+            dots = tl.inline_asm_elementwise(
+                DOT8_ASM, "=r,r,r,r,r,r",
+                [words, tl.broadcast_to(p04[:, None], [BLOCK_KW, BLOCK_N]),
+                 tl.broadcast_to(p15[:, None], [BLOCK_KW, BLOCK_N]),
+                 tl.broadcast_to(p26[:, None], [BLOCK_KW, BLOCK_N]),
+                 tl.broadcast_to(p37[:, None], [BLOCK_KW, BLOCK_N])],
+                dtype=tl.float32, is_pure=True, pack=1,
+            )
+        else:
+            uw = words.to(tl.uint32, bitcast=True)
+            dots = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(8):
+                xj = tl.load(x_ptr + w_row * 8 + j, mask=row_ok, other=0.0).to(tl.float32)
+                dots += _nibble(uw, j).to(tl.float32) * xj[:, None]
+        if GROUP % BLOCK_K == 0:  # the whole tile is in one group: one scale row
+            g = k0 // GROUP
+            s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
+            m = tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32) + 8.0 * s
+            return acc + dots * s[None, :] + xs[:, None] * m[None, :]
+        else:
+            mask = row_ok[:, None] & n_mask[None, :]
+            g = (w_row * 8) // GROUP
+            offs = (g * N)[:, None] + rn[None, :]
+            s = tl.load(scales_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(mins_ptr + offs, mask=mask, other=0.0).to(tl.float32) + 8.0 * s
+            return acc + dots * s + xs[:, None] * m
+
+    @triton.jit
+    def _load_words(qw_ptr, k0, k_end, N, rn, n_mask, BLOCK_KW: tl.constexpr):
+        w_row = k0 // 8 + tl.arange(0, BLOCK_KW)
+        mask = (w_row * 8 < k_end)[:, None] & n_mask[None, :]
+        return tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=mask, other=0)
+
+    @triton.jit
     def _gemv_w4_m1_kernel(
         x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
         USE_ASM: tl.constexpr, PDL: tl.constexpr,
     ):
-        pdl_sync(PDL)
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = rn < N
-        rw = tl.arange(0, BLOCK_KW)
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
+        # The weights never change, so the first tile is read before waiting for the previous
+        # kernel (PDL): its DRAM round trip overlaps that kernel's tail. Small matrices (8B qkv,
+        # o) are one or two tiles per program, so most of their bytes move during the wait.
+        words = _load_words(qw_ptr, k_start, k_end, N, rn, n_mask, BLOCK_KW)
+        pdl_sync(PDL)
         acc = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            w_row = k0 // 8 + rw
-            row_ok = w_row * 8 < k_end
-            mask = row_ok[:, None] & n_mask[None, :]
-            words = tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=mask, other=0)
-            p04, p15, p26, p37, xs = _x_pairs(x_ptr, w_row, row_ok)
-            if USE_ASM:  # [KW, N] fp32: sum over each word's 8 values of (q - 8) * x
-                dots = tl.inline_asm_elementwise(
-                    DOT8_ASM, "=r,r,r,r,r,r",
-                    [words, tl.broadcast_to(p04[:, None], [BLOCK_KW, BLOCK_N]),
-                     tl.broadcast_to(p15[:, None], [BLOCK_KW, BLOCK_N]),
-                     tl.broadcast_to(p26[:, None], [BLOCK_KW, BLOCK_N]),
-                     tl.broadcast_to(p37[:, None], [BLOCK_KW, BLOCK_N])],
-                    dtype=tl.float32, is_pure=True, pack=1,
-                )
-            else:
-                uw = words.to(tl.uint32, bitcast=True)
-                dots = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
-                for j in tl.static_range(8):
-                    xj = tl.load(x_ptr + w_row * 8 + j, mask=row_ok, other=0.0).to(tl.float32)
-                    dots += _nibble(uw, j).to(tl.float32) * xj[:, None]
-            if GROUP % BLOCK_K == 0:  # the whole tile is in one group: one scale row
-                g = k0 // GROUP
-                s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
-                m = tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32) + 8.0 * s
-                acc += dots * s[None, :] + xs[:, None] * m[None, :]
-            else:
-                g = (w_row * 8) // GROUP
-                offs = (g * N)[:, None] + rn[None, :]
-                s = tl.load(scales_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                m = tl.load(mins_ptr + offs, mask=mask, other=0.0).to(tl.float32) + 8.0 * s
-                acc += dots * s + xs[:, None] * m
+        acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask,
+                       GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            words = _load_words(qw_ptr, k0, k_end, N, rn, n_mask, BLOCK_KW)
+            acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
+                           GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
         total = tl.sum(acc, axis=0)[None, :]
         _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K)
 
