@@ -4,7 +4,7 @@ the measured device-to-device copy bandwidth, for Llama-3-8B and 70B layer shape
 Usage: python bench/gemv.py [--bits 4] [--group 128] [--sweep] [--json OUT]
 Times the generic kernel at its defaults and, at 4 bits, the fp16x2 kernels in the same run:
 gemv_w4 for one row, gemm_w4 (tensor cores) for 16 and 64 rows; --sweep tries their tile /
-split / warp settings per shape (--sweep-rows: only gemm_w4's)."""
+split / warp settings per shape (--sweep-rows: only gemm_w4's; --sweep-b1: only gemv_w4's, wider)."""
 
 from __future__ import annotations
 
@@ -83,6 +83,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--sweep", action="store_true", help="try tile / split / warp settings per shape")
     ap.add_argument("--sweep-rows", action="store_true", help="sweep only the 16- and 64-row (gemm_w4) settings")
+    ap.add_argument("--sweep-b1", action="store_true",
+                    help="sweep only gemv_w4's one-row settings, including tiles of one group (block_kw 8, 16)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -133,6 +135,10 @@ def main() -> None:
             if args.sweep:
                 grid1 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_stages=st)
                           for bn, kw, sk, st in itertools.product((64, 128), (32, 64), (None, 16), (2, 4))]
+            if args.sweep_b1:  # tiles of at most one group read one scale row per tile
+                grid1 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_stages=st, num_warps=w)
+                          for bn, kw, sk, st, w in itertools.product((64, 128, 256), (8, 16, 32), (None, 8, 16), (2, 4), (4, 8))
+                          if bn * kw <= 4096]
             if args.sweep or args.sweep_rows:
                 grid_m += [dict(block_n=bn, block_kw=kw, num_warps=w, num_stages=st)
                            for bn, kw, w, st in itertools.product((64, 128, 256), (16, 32), (4, 8), (3, 4))]
