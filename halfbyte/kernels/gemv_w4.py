@@ -160,15 +160,16 @@ if HAS_TRITON:
 
 
 # (N, K) -> (block_n, block_kw, split_k or None for about two waves, stages, warps): the H200
-# sweep's winners for Llama-3 8B / 70B shapes (bench/gemv.py --sweep; BENCHMARKS.md)
+# sweep's winners for Llama-3 8B / 70B shapes (bench/gemv.py --sweep, --sweep-b1 for 8B qkv, gate_up
+# and 70B gate_up with PDL on; BENCHMARKS.md)
 _M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int]] = {
-    (6144, 4096): (128, 64, None, 4, 4),  # 8B qkv
+    (6144, 4096): (64, 8, 16, 4, 4),  # 8B qkv
     (4096, 4096): (64, 64, 16, 2, 4),  # 8B o
-    (28672, 4096): (64, 32, None, 4, 4),  # 8B gate_up
+    (28672, 4096): (256, 16, 8, 4, 4),  # 8B gate_up
     (4096, 14336): (64, 32, 16, 4, 4),  # 8B down
     (10240, 8192): (512, 16, None, 2, 4),  # 70B qkv
     (8192, 8192): (128, 64, None, 2, 4),  # 70B o
-    (57344, 8192): (128, 32, None, 2, 4),  # 70B gate_up
+    (57344, 8192): (64, 32, None, 2, 8),  # 70B gate_up
     (8192, 28672): (256, 32, None, 2, 8),  # 70B down
 }
 
