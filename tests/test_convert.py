@@ -237,7 +237,8 @@ def test_measurement_reproduces_gptq_and_storage_accounting(clip: bool) -> None:
         assert qw.storage_bits() == storage_bits(cand, 48, 128, act_order=True), cand.name
         if len(cand.slices(128)) == 1:  # uniform: exactly gptq_quantize
             _, _, bits, gs = cand.slices(128)[0]
-            _, gptq_loss = gptq_quantize(w, h, bits, gs, act_order=cand.act_order, clip_search=clip)
+            _, gptq_loss = gptq_quantize(w, h, bits, gs, act_order=cand.act_order, clip_search=clip,
+                                         scale_codes=cand.scale_codes)
             assert err == pytest.approx(gptq_loss / signal, rel=1e-3, abs=1e-9), cand.name
         assert err == pytest.approx(loss / signal, rel=0.25, abs=1e-7), cand.name  # mixes: one sweep vs per slice
     by_name = dict(zip((c.name for c in cands), measured, strict=True))

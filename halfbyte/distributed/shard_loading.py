@@ -26,6 +26,7 @@ from halfbyte.model.rope import RotaryEmbedding
 from halfbyte.model.weights import load_hf_weights
 from halfbyte.quant.packing import BLOCK_K
 from halfbyte.quant.qtensor import QuantSlice, QuantWeight
+from halfbyte.quant.scale_codes import ScaleCodes
 
 Range = tuple[int, int]
 _LAYER = re.compile(r"^model\.layers\.\d+\.(.+?)\.(weight|bias)$")
@@ -101,14 +102,23 @@ def _dense_stream(
             yield name, reader.rows(name)
 
 
+def _codes(reader: ShardReader, prefix: str, i: int, s: dict[str, Any], out: list[Range] | None) -> ScaleCodes | None:
+    """A coded slice's per-column steps: the rank's output columns (`out`) or all of them."""
+    if not s.get("scale_codes"):
+        return None
+    names = (f"{prefix}.scale_step.{i}", f"{prefix}.min_step.{i}")
+    return ScaleCodes(*(reader.rows(n, out) if out is not None else reader.rows(n) for n in names))
+
+
 def _column_quant(reader: ShardReader, prefix: str, meta: dict[str, Any], out: list[Range]) -> QuantWeight:
     slices = []
     for i, s in enumerate(meta["slices"]):
-        slices.append(QuantSlice(
+        codes = _codes(reader, prefix, i, s, out)
+        slices.append(QuantSlice.from_stored(
             s["k_start"], s["k_end"], s["bits"], s["group_size"],
             reader.cols(f"{prefix}.qweight.{i}", out),
             reader.cols(f"{prefix}.scales.{i}", out),
-            reader.cols(f"{prefix}.mins.{i}", out),
+            reader.cols(f"{prefix}.mins.{i}", out), codes, prefix,
         ))
     perm = reader.rows(f"{prefix}.perm") if meta.get("act_order") else None
     return QuantWeight(sum(b - a for a, b in out), meta["in_features"], slices, perm)
@@ -125,11 +135,11 @@ def _row_quant(reader: ShardReader, prefix: str, meta: dict[str, Any], k_range: 
         bits, gs, base = s["bits"], s["group_size"], s["k_start"]
         words = [((a - base) // BLOCK_K * bits, (b - base) // BLOCK_K * bits)]
         groups = [((a - base) // gs, -(-(b - base) // gs))]
-        slices.append(QuantSlice(
+        slices.append(QuantSlice.from_stored(
             a - k0, b - k0, bits, gs,
             reader.rows(f"{prefix}.qweight.{i}", words),
             reader.rows(f"{prefix}.scales.{i}", groups),
-            reader.rows(f"{prefix}.mins.{i}", groups),
+            reader.rows(f"{prefix}.mins.{i}", groups), _codes(reader, prefix, i, s, None), prefix,
         ))
     if not slices:
         return None

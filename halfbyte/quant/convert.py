@@ -323,7 +323,8 @@ def _meta_storage_bits(meta: dict[str, Any]) -> int:
     total = 32 * meta["in_features"] if meta["act_order"] else 0
     for s in meta["slices"]:
         width = s["k_end"] - s["k_start"]
-        total += width * s["bits"] * n + 32 * math.ceil(width / s["group_size"]) * n
+        groups = math.ceil(width / s["group_size"])
+        total += width * s["bits"] * n + (16 * groups * n + 32 * n if s.get("scale_codes") else 32 * groups * n)
     return total
 
 

@@ -15,6 +15,7 @@ from halfbyte.errors import QuantizationError
 from halfbyte.quant.packing import BLOCK_K, check_bits
 from halfbyte.quant.qtensor import QuantSlice, QuantWeight
 from halfbyte.quant.rtn import check_group_size, dequantize_values, group_params, quantize_values
+from halfbyte.quant.scale_codes import grid_steps, snap
 
 _DAMP_RETRIES = 4  # each retry multiplies the damping by 10
 
@@ -75,6 +76,7 @@ def gptq_quantize(
     act_order: bool = False,
     symmetric: bool = False,
     clip_search: bool = False,
+    scale_codes: bool = False,
 ) -> tuple[QuantWeight, float]:
     """Quantize w [N, K] given H [K, K] = 2 X^T X / n.
 
@@ -82,7 +84,9 @@ def gptq_quantize(
     0.5 * sum_n (w_n - wq_n) H (w_n - wq_n)^T with the undamped H as given, which for H from
     HessianAccumulator equals ||X W^T - X Wq^T||_F^2 / n: the mean over tokens of the squared
     output error summed over output features. clip_search: rtn.group_params's search for a
-    clipped grid per group (asymmetric only).
+    clipped grid per group (asymmetric only). scale_codes: store scales and mins as 8-bit codes
+    (scale_codes.py); each group's grid is snapped to the nearest coded one before its columns
+    are quantized, so GPTQ compensates the snapping too.
     """
     check_bits(bits)
     if w.dim() != 2:
@@ -117,6 +121,7 @@ def gptq_quantize(
 
     hinv = _inverse_cholesky_upper(h, damp)  # [K, K] upper
     hdiag = torch.diag(h)  # [K] input energies, stored order
+    codes = grid_steps(weight, bits, group_size) if scale_codes else None
 
     num_groups = math.ceil(k / group_size)
     q = torch.empty(n, k, dtype=torch.int32, device=w.device)
@@ -138,6 +143,8 @@ def gptq_quantize(
                 if g_end > b1:
                     cols = torch.cat([cols, weight[:, b1:g_end]], dim=1)
                 scale, mn = group_params(cols, bits, symmetric, clip_search, hdiag[col:g_end] if clip_search else None)
+                if codes is not None:
+                    scale, mn = snap(scale, mn, codes)
                 scales[col // group_size], mins[col // group_size] = scale, mn
             wcol = block[:, i]
             qcol = quantize_values(wcol, scale, mn, bits)
@@ -147,7 +154,7 @@ def gptq_quantize(
             err[:, i] = e
         weight[:, b1:] -= err @ hinv[b0:b1, b1:]
 
-    slice_ = QuantSlice.from_values(0, bits, group_size, q, scales.half(), mins.half())
+    slice_ = QuantSlice.from_values(0, bits, group_size, q, scales.half(), mins.half(), codes)
     qw = QuantWeight(n, k, [slice_], perm.to(torch.int32) if perm is not None else None)
 
     delta = w.float() - qw.dequantize()  # [N, K] in original order, like h_orig

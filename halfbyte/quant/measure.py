@@ -26,6 +26,7 @@ from halfbyte.quant.gptq import _inverse_cholesky_upper, gptq_quantize
 from halfbyte.quant.packing import BLOCK_K, SUPPORTED_BITS
 from halfbyte.quant.qtensor import QuantSlice, QuantWeight
 from halfbyte.quant.rtn import group_params
+from halfbyte.quant.scale_codes import ScaleCodes, grid_steps, snap
 
 PER_CHANNEL = 0  # group_size 0 in a Candidate: one group per slice (the slice width)
 
@@ -41,6 +42,8 @@ class Candidate:
     # that already sits on a group grid exactly representable). True: act-order whenever the
     # conversion allows it.
     act_order: bool = True
+    # scales and mins as 8-bit codes (scale_codes.py): 16 bits per group instead of 32
+    scale_codes: bool = False
 
     def uses_act_order(self, allowed: bool) -> bool:
         return allowed and self.act_order
@@ -49,6 +52,7 @@ class Candidate:
     def name(self) -> str:
         g = "pc" if self.group_size == PER_CHANNEL else f"g{self.group_size}"
         g += "" if self.act_order else " seq"
+        g += " c8" if self.scale_codes else ""
         if len(self.parts) == 1:
             return f"{self.parts[0][1]}b {g}"
         return "+".join(f"{round(f * 100)}%{b}b" for f, b in self.parts) + f" {g}"
@@ -72,12 +76,16 @@ class Candidate:
         return out
 
     def to_json(self) -> dict[str, object]:
-        return {"parts": [list(p) for p in self.parts], "group_size": self.group_size, "act_order": self.act_order}
+        out: dict[str, object] = {"parts": [list(p) for p in self.parts], "group_size": self.group_size,
+                                  "act_order": self.act_order}
+        if self.scale_codes:
+            out["scale_codes"] = True
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, object]) -> Candidate:
         parts = tuple((float(f), int(b)) for f, b in d["parts"])  # type: ignore[union-attr]
-        return cls(parts, int(d["group_size"]), bool(d.get("act_order", True)))  # type: ignore[arg-type]
+        return cls(parts, int(d["group_size"]), bool(d.get("act_order", True)), bool(d.get("scale_codes", False)))  # type: ignore[arg-type]
 
 
 def default_candidates(group_size: int | None = None) -> list[Candidate]:
@@ -94,6 +102,11 @@ def default_candidates(group_size: int | None = None) -> list[Candidate]:
     for lo, hi in ((2, 3), (3, 4), (4, 5), (5, 6), (2, 4), (6, 8)):
         for g in mix_groups:
             cands.append(Candidate(((0.5, hi), (0.5, lo)), g))
+    # 8-bit coded scales and mins at groups 32 / 64: 4 bits in column order (a weight on a 4-bit
+    # group-32 grid stays nearly exact at 4.5 bpw), 2 and 3 bits with act-order
+    coded_groups = tuple(g for g in groups if g <= 64)
+    cands += [Candidate(((1.0, 4),), g, act_order=False, scale_codes=True) for g in coded_groups]
+    cands += [Candidate(((1.0, b),), g, scale_codes=True) for b in (2, 3) for g in coded_groups]
     return cands
 
 
@@ -103,7 +116,8 @@ def storage_bits(cand: Candidate, n: int, k: int, act_order: bool) -> int:
     total = 32 * k if cand.uses_act_order(act_order) else 0
     for k0, k1, bits, gs in cand.slices(k):
         width = k1 - k0
-        total += width * bits * n + 32 * math.ceil(width / gs) * n
+        groups = math.ceil(width / gs)
+        total += width * bits * n + (16 * groups * n + 32 * n if cand.scale_codes else 32 * groups * n)
     return total
 
 
@@ -134,11 +148,15 @@ def _sweep(
     # per candidate and stored column: max q, and whether a new group starts there (group end)
     maxq = torch.empty(c, k)
     group_end = [dict[int, int]() for _ in range(c)]
+    group_codes = [dict[int, ScaleCodes]() for _ in range(c)]  # coded candidates: the slice's steps
     for ci, cand in enumerate(candidates):
         for k0, k1, bits, gs in cand.slices(k):
             maxq[ci, k0:k1] = (1 << bits) - 1
+            codes = grid_steps(weight[:, k0:k1], bits, gs) if cand.scale_codes else None
             for g0 in range(k0, k1, gs):
                 group_end[ci][g0] = min(g0 + gs, k1)
+                if codes is not None:
+                    group_codes[ci][g0] = codes
     starts: dict[int, list[int]] = {}
     for ci in range(c):
         for col in group_end[ci]:
@@ -164,6 +182,8 @@ def _sweep(
                     cols = torch.cat([cols, wc[ci, b1:g_end]], dim=0)
                 bits = int(maxq[ci, col]).bit_length()
                 scale[ci], mn[ci] = group_params(cols.t(), bits, False, clip_search, hdiag[col:g_end] if clip_search else None)
+                if col in group_codes[ci]:
+                    scale[ci], mn[ci] = snap(scale[ci], mn[ci], group_codes[ci][col])
             wcol = block[:, i]  # [C, n]
             q = torch.minimum(torch.clamp(torch.round((wcol - mn) / scale), min=0), maxq[:, col : col + 1])
             dq = q * scale + mn
@@ -256,7 +276,8 @@ def quantize_candidate(
     act_order = cand.uses_act_order(act_order)
     if len(spec) == 1:
         _, _, bits, gs = spec[0]
-        return gptq_quantize(w, hessian, bits, gs, damp=damp, act_order=act_order, clip_search=clip_search)
+        return gptq_quantize(w, hessian, bits, gs, damp=damp, act_order=act_order, clip_search=clip_search,
+                             scale_codes=cand.scale_codes)
     weight, h, perm = _prepare(w, hessian, act_order)
     # one absolute damping for every slice, as a single sweep over H + lam * I would apply
     lam = damp * float(torch.diag(h).mean())
@@ -269,9 +290,10 @@ def quantize_candidate(
             h_ss = h_ss - h[k0:k1, k1:] @ solved
             h_ss = (h_ss + h_ss.t()) / 2
         slice_damp = lam / max(float(torch.diag(h_ss).mean()), 1e-30)
-        qw, _ = gptq_quantize(weight[:, k0:k1], h_ss, bits, gs, damp=slice_damp, clip_search=clip_search)
+        qw, _ = gptq_quantize(weight[:, k0:k1], h_ss, bits, gs, damp=slice_damp, clip_search=clip_search,
+                              scale_codes=cand.scale_codes)
         s = qw.slices[0]
-        slices.append(QuantSlice(k0, k1, bits, gs, s.qweight, s.scales, s.mins))
+        slices.append(QuantSlice(k0, k1, bits, gs, s.qweight, s.scales, s.mins, s.codes))
         if k1 < k:
             d = weight[:, k0:k1] - qw.dequantize()  # [N, s]
             weight[:, k1:] += d @ solved.t()

@@ -14,6 +14,7 @@ import torch
 
 from halfbyte.errors import QuantizationError
 from halfbyte.quant.packing import BLOCK_K, check_bits, pack, packed_rows, unpack
+from halfbyte.quant.scale_codes import ScaleCodes, check_codes, decode, encode
 
 ALLOWED_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 FORMAT_VERSION = 1
@@ -33,6 +34,9 @@ class QuantSlice:
     qweight: torch.Tensor  # int32 [(k_end - k_start) / 32 * bits, N]
     scales: torch.Tensor  # float16 [num_groups, N]
     mins: torch.Tensor  # float16 [num_groups, N]
+    # stored as 8-bit codes with per-column steps (scale_codes.py); scales and mins above are
+    # their decoded values either way
+    codes: ScaleCodes | None = None
 
     @property
     def width(self) -> int:
@@ -44,10 +48,11 @@ class QuantSlice:
 
     @classmethod
     def from_values(
-        cls, k_start: int, bits: int, group_size: int, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+        cls, k_start: int, bits: int, group_size: int, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+        codes: ScaleCodes | None = None,
     ) -> QuantSlice:
         """Pack q [N, width] with its fp16 scales/mins [num_groups, N]."""
-        return cls(k_start, k_start + q.shape[1], bits, group_size, pack(q, bits), scales, mins)
+        return cls(k_start, k_start + q.shape[1], bits, group_size, pack(q, bits), scales, mins, codes)
 
     def validate(self, out_features: int, where: str = "slice") -> None:
         """Raise QuantizationError naming `where` if any field disagrees with the format."""
@@ -76,6 +81,9 @@ class QuantSlice:
                 raise QuantizationError(
                     f"{where}: {name} must be float16 {list(expect_s)}, got {t.dtype} {list(t.shape)}"
                 )
+        if self.codes is not None:
+            check_codes(self.codes, out_features, where)
+            encode(self.scales, self.mins, self.codes, where)  # raises unless exactly coded
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, width]: q * scales[g] + mins[g], computed in float32."""
@@ -84,10 +92,34 @@ class QuantSlice:
         return q * self.scales.float().t()[:, group] + self.mins.float().t()[:, group]
 
     def storage_bits(self) -> int:
+        if self.codes is not None:  # 8-bit codes, two float16 steps per column
+            return self.qweight.numel() * 32 + (self.scales.numel() + self.mins.numel()) * 8 + 32 * self.scales.shape[1]
         return self.qweight.numel() * 32 + self.scales.numel() * 16 + self.mins.numel() * 16
 
     def meta(self) -> dict[str, int]:
-        return {"k_start": self.k_start, "k_end": self.k_end, "bits": self.bits, "group_size": self.group_size}
+        out = {"k_start": self.k_start, "k_end": self.k_end, "bits": self.bits, "group_size": self.group_size}
+        if self.codes is not None:
+            out["scale_codes"] = 8
+        return out
+
+    def to(self, device: torch.device | str) -> QuantSlice:
+        return QuantSlice(self.k_start, self.k_end, self.bits, self.group_size, self.qweight.to(device),
+                          self.scales.to(device), self.mins.to(device),
+                          self.codes.to(device) if self.codes is not None else None)
+
+    @classmethod
+    def from_stored(
+        cls, k_start: int, k_end: int, bits: int, group_size: int, qweight: torch.Tensor, scales: torch.Tensor,
+        mins: torch.Tensor, codes: ScaleCodes | None, where: str,
+    ) -> QuantSlice:
+        """A slice from its stored tensors: with codes, `scales` / `mins` are the uint8 / int8 codes."""
+        if codes is None:
+            return cls(k_start, k_end, bits, group_size, qweight, scales, mins)
+        if scales.dtype != torch.uint8 or mins.dtype != torch.int8:
+            raise QuantizationError(f"{where}: coded scales / mins must be uint8 / int8, got {scales.dtype} / {mins.dtype}")
+        check_codes(codes, scales.shape[-1], where)
+        fp_scales, fp_mins = decode(scales, mins, codes)
+        return cls(k_start, k_end, bits, group_size, qweight, fp_scales, fp_mins, codes)
 
 
 @dataclass
@@ -158,7 +190,8 @@ class QuantWeight:
     # --- accounting ---------------------------------------------------------------------------
 
     def storage_bits(self) -> int:
-        """Every stored bit: packed words, fp16 scales and mins, and the int32 perm if present."""
+        """Every stored bit: packed words, fp16 scales and mins (or their 8-bit codes and steps), and
+        the int32 perm if present."""
         perm_bits = self.perm.numel() * 32 if self.perm is not None else 0
         return sum(s.storage_bits() for s in self.slices) + perm_bits
 
@@ -172,8 +205,13 @@ class QuantWeight:
         out: dict[str, torch.Tensor] = {}
         for i, s in enumerate(self.slices):
             out[f"{prefix}.qweight.{i}"] = s.qweight
-            out[f"{prefix}.scales.{i}"] = s.scales
-            out[f"{prefix}.mins.{i}"] = s.mins
+            if s.codes is not None:
+                out[f"{prefix}.scales.{i}"], out[f"{prefix}.mins.{i}"] = encode(s.scales, s.mins, s.codes, prefix)
+                out[f"{prefix}.scale_step.{i}"] = s.codes.scale_step
+                out[f"{prefix}.min_step.{i}"] = s.codes.min_step
+            else:
+                out[f"{prefix}.scales.{i}"] = s.scales
+                out[f"{prefix}.mins.{i}"] = s.mins
         if self.perm is not None:
             out[f"{prefix}.perm"] = self.perm
         return out
@@ -211,15 +249,16 @@ class QuantWeight:
             where = f"{prefix} slice {i}"
             if not isinstance(sm, dict):
                 raise QuantizationError(f"{where}: metadata must be an object")
+            codes = None
+            if "scale_codes" in sm:
+                if sm["scale_codes"] != 8:
+                    raise QuantizationError(f"{where}: scale_codes must be 8, got {sm['scale_codes']!r}")
+                codes = ScaleCodes(get(f"{prefix}.scale_step.{i}"), get(f"{prefix}.min_step.{i}"))
             slices.append(
-                QuantSlice(
-                    k_start=_meta_int(sm, "k_start", where),
-                    k_end=_meta_int(sm, "k_end", where),
-                    bits=_meta_int(sm, "bits", where),
-                    group_size=_meta_int(sm, "group_size", where),
-                    qweight=get(f"{prefix}.qweight.{i}"),
-                    scales=get(f"{prefix}.scales.{i}"),
-                    mins=get(f"{prefix}.mins.{i}"),
+                QuantSlice.from_stored(
+                    _meta_int(sm, "k_start", where), _meta_int(sm, "k_end", where), _meta_int(sm, "bits", where),
+                    _meta_int(sm, "group_size", where), get(f"{prefix}.qweight.{i}"), get(f"{prefix}.scales.{i}"),
+                    get(f"{prefix}.mins.{i}"), codes, where,
                 )
             )
         act_order = meta.get("act_order", False)
@@ -235,13 +274,7 @@ class QuantWeight:
         return w
 
     def to(self, device: torch.device | str) -> QuantWeight:
-        slices = [
-            QuantSlice(
-                s.k_start, s.k_end, s.bits, s.group_size,
-                s.qweight.to(device), s.scales.to(device), s.mins.to(device),
-            )
-            for s in self.slices
-        ]
+        slices = [s.to(device) for s in self.slices]
         perm = self.perm.to(device) if self.perm is not None else None
         return QuantWeight(self.out_features, self.in_features, slices, perm)
 
@@ -274,12 +307,14 @@ def concat_out(weights: list[QuantWeight]) -> QuantWeight:
     slices = []
     for i, s in enumerate(first.slices):
         parts = [w.slices[i] for w in weights]
+        codes = [p.codes for p in parts]
         slices.append(
             QuantSlice(
                 s.k_start, s.k_end, s.bits, s.group_size,
                 torch.cat([p.qweight for p in parts], dim=1),
                 torch.cat([p.scales for p in parts], dim=1),
                 torch.cat([p.mins for p in parts], dim=1),
+                ScaleCodes.cat(codes) if all(c is not None for c in codes) else None,  # type: ignore[misc]
             )
         )
     out_features = sum(w.out_features for w in weights)
