@@ -132,3 +132,27 @@ def test_converter_writes_coded_layers_that_load_and_shard(calib: Path, tmp_path
         rows = _row_quant(reader, prefix, layers[prefix], (32, 64))
     assert torch.equal(cols.dequantize(), torch.cat([whole[8:40], whole[200:232]]))
     assert rows is not None and torch.equal(rows.dequantize(), whole[:, 32:64])
+
+
+def test_act_order_by_whole_groups_keeps_the_energetic_groups_on_their_grid() -> None:
+    from halfbyte.quant.gptq import activation_order
+    from halfbyte.quant.measure import quantize_candidate
+
+    energy = torch.tensor([1.0, 5.0, 2.0, 9.0, 0.5, 0.5, 3.0, 3.0])
+    assert activation_order(energy, 2).tolist() == [2, 3, 0, 1, 6, 7, 4, 5]  # sums 6, 11, 1, 6: ties stay in order
+    assert activation_order(energy, 1).tolist() == torch.argsort(energy, descending=True, stable=True).tolist()
+    with pytest.raises(QuantizationError, match="blocks of 3"):
+        activation_order(energy, 3)
+    w = q4_1_weight(48, 256, seed=5)
+    scale = torch.ones(256)
+    scale[64:128] = 30.0  # groups 2 and 3 carry the energy
+    x = torch.randn(2048, 256, generator=torch.Generator().manual_seed(6)) * scale
+    h = 2 * x.t() @ x / 2048
+    cand = Candidate(((0.25, 4), (0.75, 3)), 32, scale_codes=True, order_block=32)
+    qw, _ = quantize_candidate(w, h, cand)
+    assert qw.perm is not None and sorted(qw.perm[:64].tolist()) == list(range(64, 128))
+    err = (qw.dequantize() - w).abs()
+    hot, cold = err[:, 64:128].norm() / w[:, 64:128].norm(), err[:, :64].norm() / w[:, :64].norm()
+    assert hot < 0.02 and cold > 3 * hot, (hot, cold)
+    assert qw.storage_bits() == storage_bits(cand, 48, 256, act_order=True)
+    assert Candidate.from_json(json.loads(json.dumps(cand.to_json()))) == cand

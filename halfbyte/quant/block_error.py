@@ -30,7 +30,21 @@ from halfbyte.model.rope import RotaryEmbedding
 from halfbyte.quant.layer_forward import UNITS, LayerWeights, attention_core, mlp_act, run_layer
 from halfbyte.quant.measure import Candidate, candidate_weights
 
-_CHUNK = 12  # candidates quantized together: bounds the [C, N, K] sweep tensors
+# candidates quantized together in one GPTQ sweep: as many as keep each [C, N, K] sweep tensor
+# under this many elements (1 GiB in fp32). One sweep's per-column Python work costs the same for
+# 1 or 30 candidates, so fewer, fuller sweeps are faster (SmolLM2: 2 sweeps per matrix, not 6)
+_SWEEP_ELEMENTS = 2**28
+
+
+def sweep_chunks(candidates: list[Candidate], n: int, k: int, act_order: bool) -> list[list[int]]:
+    """Indices of candidates grouped by column order (one GPTQ sweep serves each order) and cut
+    into chunks that fit _SWEEP_ELEMENTS."""
+    per_chunk = max(1, _SWEEP_ELEMENTS // (n * k))
+    chunks: list[list[int]] = []
+    for order in sorted({c.sweep_order(act_order) for c in candidates}):
+        idx = [i for i, c in enumerate(candidates) if c.sweep_order(act_order) == order]
+        chunks += [idx[i : i + per_chunk] for i in range(0, len(idx), per_chunk)]
+    return chunks
 
 
 def subsample(lengths: list[int], max_tokens: int) -> tuple[int, list[int]]:
@@ -98,13 +112,13 @@ def measure_layer(
 
         errors: dict[str, list[float]] = {}
         for unit in UNITS:
-            errs: list[float] = []
-            for c0 in range(0, len(candidates), _CHUNK):
-                chunk = candidates[c0 : c0 + _CHUNK]
-                deq = candidate_weights(
-                    lw.matrices[unit], hessians[unit], chunk, act_order=act_order, damp=damp, clip_search=clip_search
-                )
-                errs += [error(unit, deq[c]) for c in range(len(chunk))]
+            errs = [0.0] * len(candidates)
+            n, k = lw.matrices[unit].shape
+            for chunk in sweep_chunks(candidates, n, k, act_order):
+                deq = candidate_weights(lw.matrices[unit], hessians[unit], [candidates[i] for i in chunk],
+                                        act_order=act_order, damp=damp, clip_search=clip_search)
+                for c, i in enumerate(chunk):
+                    errs[i] = error(unit, deq[c])
                 del deq
             errors[unit] = errs
     return errors, after

@@ -65,6 +65,19 @@ def _inverse_cholesky_upper(h: torch.Tensor, damp: float) -> torch.Tensor:
     )
 
 
+def activation_order(energy: torch.Tensor, block: int = 1) -> torch.Tensor:
+    """Act-order: columns by descending input energy [K]. block > 1 moves whole blocks of that
+    many columns by their summed energy, so groups of that size stay together (a weight already
+    on a group grid keeps it exactly in whichever slice its group lands)."""
+    if block == 1:
+        return torch.argsort(energy, descending=True, stable=True)
+    k = energy.shape[0]
+    if k % block:
+        raise QuantizationError(f"act-order by blocks of {block} needs K divisible by it, got K = {k}")
+    order = torch.argsort(energy.view(-1, block).sum(1), descending=True, stable=True)
+    return (order[:, None] * block + torch.arange(block)).reshape(-1)
+
+
 def gptq_quantize(
     w: torch.Tensor,
     hessian: torch.Tensor,
@@ -77,6 +90,7 @@ def gptq_quantize(
     symmetric: bool = False,
     clip_search: bool = False,
     scale_codes: bool = False,
+    order_block: int = 1,
 ) -> tuple[QuantWeight, float]:
     """Quantize w [N, K] given H [K, K] = 2 X^T X / n.
 
@@ -86,7 +100,8 @@ def gptq_quantize(
     output error summed over output features. clip_search: rtn.group_params's search for a
     clipped grid per group (asymmetric only). scale_codes: store scales and mins as 8-bit codes
     (scale_codes.py); each group's grid is snapped to the nearest coded one before its columns
-    are quantized, so GPTQ compensates the snapping too.
+    are quantized, so GPTQ compensates the snapping too. order_block: act-order moves blocks of
+    this many columns (activation_order).
     """
     check_bits(bits)
     if w.dim() != 2:
@@ -115,7 +130,7 @@ def gptq_quantize(
     perm: torch.Tensor | None = None
     if act_order:
         # Columns with the largest input energy first, while most columns can absorb their error
-        perm = torch.argsort(torch.diag(h), descending=True, stable=True)
+        perm = activation_order(torch.diag(h), order_block)
         weight = weight[:, perm]
         h = h[perm][:, perm]
 

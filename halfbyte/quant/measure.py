@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from halfbyte.errors import QuantizationError
-from halfbyte.quant.gptq import _inverse_cholesky_upper, gptq_quantize
+from halfbyte.quant.gptq import _inverse_cholesky_upper, activation_order, gptq_quantize
 from halfbyte.quant.packing import BLOCK_K, SUPPORTED_BITS
 from halfbyte.quant.qtensor import QuantSlice, QuantWeight
 from halfbyte.quant.rtn import group_params
@@ -44,15 +44,23 @@ class Candidate:
     act_order: bool = True
     # scales and mins as 8-bit codes (scale_codes.py): 16 bits per group instead of 32
     scale_codes: bool = False
+    # act-order moves blocks of this many columns (gptq.activation_order): 32 keeps groups of 32
+    # whole, so a slice holding a group keeps a grid the weight already sits on
+    order_block: int = 1
 
     def uses_act_order(self, allowed: bool) -> bool:
         return allowed and self.act_order
+
+    def sweep_order(self, allowed: bool) -> int:
+        """0: column order; else the act-order block (one GPTQ sweep serves each value)."""
+        return self.order_block if self.uses_act_order(allowed) else 0
 
     @property
     def name(self) -> str:
         g = "pc" if self.group_size == PER_CHANNEL else f"g{self.group_size}"
         g += "" if self.act_order else " seq"
         g += " c8" if self.scale_codes else ""
+        g += f" ob{self.order_block}" if self.order_block != 1 else ""
         if len(self.parts) == 1:
             return f"{self.parts[0][1]}b {g}"
         return "+".join(f"{round(f * 100)}%{b}b" for f, b in self.parts) + f" {g}"
@@ -80,12 +88,15 @@ class Candidate:
                                   "act_order": self.act_order}
         if self.scale_codes:
             out["scale_codes"] = True
+        if self.order_block != 1:
+            out["order_block"] = self.order_block
         return out
 
     @classmethod
     def from_json(cls, d: dict[str, object]) -> Candidate:
         parts = tuple((float(f), int(b)) for f, b in d["parts"])  # type: ignore[union-attr]
-        return cls(parts, int(d["group_size"]), bool(d.get("act_order", True)), bool(d.get("scale_codes", False)))  # type: ignore[arg-type]
+        return cls(parts, int(d["group_size"]), bool(d.get("act_order", True)), bool(d.get("scale_codes", False)),  # type: ignore[arg-type]
+                   int(d.get("order_block", 1)))  # type: ignore[call-overload]
 
 
 def default_candidates(group_size: int | None = None) -> list[Candidate]:
@@ -96,7 +107,10 @@ def default_candidates(group_size: int | None = None) -> list[Candidate]:
     `group_size` restricts every candidate to that group size. Act-order candidates fall back to
     column order when the conversion runs without act-order."""
     groups = (32, 64, 128) if group_size is None else (group_size,)
-    cands = [Candidate(((1.0, b),), g) for b in (2, 3, 4) for g in groups]
+    # 2 and 3 bits with fp16 scales only at group 128: at 32 and 64 their coded twins below cost
+    # half the scale bits for nearly the same error
+    cands = [Candidate(((1.0, b),), g) for b in (2, 3) for g in groups if g > 64 or group_size is not None]
+    cands += [Candidate(((1.0, 4),), g) for g in groups]
     cands += [Candidate(((1.0, b),), g, act_order=False) for b in (4, 5, 6, 8) for g in groups]
     mix_groups = (128,) if group_size is None else (group_size,)
     for lo, hi in ((2, 3), (3, 4), (4, 5), (5, 6), (2, 4), (6, 8)):
@@ -107,6 +121,11 @@ def default_candidates(group_size: int | None = None) -> list[Candidate]:
     coded_groups = tuple(g for g in groups if g <= 64)
     cands += [Candidate(((1.0, 4),), g, act_order=False, scale_codes=True) for g in coded_groups]
     cands += [Candidate(((1.0, b),), g, scale_codes=True) for b in (2, 3) for g in coded_groups]
+    # ... and coded two-slice mixes at group 32 with act-order by whole groups: the high-energy
+    # groups keep 4 bits (a 4-bit group-32 grid stays exact there), the rest take 3 (or 3 / 2)
+    if 32 in groups:
+        for hi_frac, hi, lo in ((0.75, 4, 3), (0.5, 4, 3), (0.25, 4, 3), (0.5, 3, 2)):
+            cands.append(Candidate(((hi_frac, hi), (1 - hi_frac, lo)), 32, scale_codes=True, order_block=32))
     return cands
 
 
@@ -121,7 +140,9 @@ def storage_bits(cand: Candidate, n: int, k: int, act_order: bool) -> int:
     return total
 
 
-def _prepare(w: torch.Tensor, hessian: torch.Tensor, act_order: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _prepare(
+    w: torch.Tensor, hessian: torch.Tensor, act_order: bool, order_block: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """gptq_quantize's preprocessing: dead inputs zeroed with a unit diagonal, act-order
     permutation by descending input energy. Returns (weight, H, perm) in stored order."""
     h = hessian.float().clone()
@@ -131,7 +152,7 @@ def _prepare(w: torch.Tensor, hessian: torch.Tensor, act_order: bool) -> tuple[t
     weight[:, dead] = 0.0
     perm = None
     if act_order:
-        perm = torch.argsort(torch.diag(h), descending=True, stable=True)
+        perm = activation_order(torch.diag(h), order_block)
         weight = weight[:, perm]
         h = h[perm][:, perm]
     return weight, h, perm
@@ -215,11 +236,9 @@ def candidate_weights(
         raise QuantizationError("no candidates to measure")
     n, k = w.shape
     out = torch.empty(len(candidates), n, k)
-    for ordered in (False, True):
-        idx = [i for i, c in enumerate(candidates) if c.uses_act_order(act_order) == ordered]
-        if not idx:
-            continue
-        weight, h, perm = _prepare(w, hessian, ordered)
+    for order in sorted({c.sweep_order(act_order) for c in candidates}):
+        idx = [i for i, c in enumerate(candidates) if c.sweep_order(act_order) == order]
+        weight, h, perm = _prepare(w, hessian, order > 0, max(order, 1))
         hinv = _inverse_cholesky_upper(h, damp)
         deq = _sweep(weight, h, hinv, [candidates[i] for i in idx], block_size, clip_search).transpose(1, 2)  # [c, n, K] stored
         if perm is not None:
@@ -277,8 +296,8 @@ def quantize_candidate(
     if len(spec) == 1:
         _, _, bits, gs = spec[0]
         return gptq_quantize(w, hessian, bits, gs, damp=damp, act_order=act_order, clip_search=clip_search,
-                             scale_codes=cand.scale_codes)
-    weight, h, perm = _prepare(w, hessian, act_order)
+                             scale_codes=cand.scale_codes, order_block=cand.order_block)
+    weight, h, perm = _prepare(w, hessian, act_order, cand.order_block)
     # one absolute damping for every slice, as a single sweep over H + lam * I would apply
     lam = damp * float(torch.diag(h).mean())
     slices: list[QuantSlice] = []
