@@ -28,21 +28,20 @@ from halfbyte.kernels.rms_norm import rms_norm
 from halfbyte.model.config import ModelConfig
 from halfbyte.model.rope import RotaryEmbedding
 from halfbyte.quant.layer_forward import UNITS, LayerWeights, attention_core, mlp_act, run_layer
-from halfbyte.quant.measure import Candidate, candidate_weights
+from halfbyte.quant.measure import Candidate, candidate_weights, sweep_groups
 
 # candidates quantized together in one GPTQ sweep: as many as keep each [C, N, K] sweep tensor
-# under this many elements (1 GiB in fp32). One sweep's per-column Python work costs the same for
-# 1 or 30 candidates, so fewer, fuller sweeps are faster (SmolLM2: 2 sweeps per matrix, not 6)
+# under this many elements (1 GiB in fp32), so memory is bounded by the matrix, not by a fixed
+# candidate count (a 70B gate_up matrix takes one at a time, SmolLM2's take all of one order)
 _SWEEP_ELEMENTS = 2**28
 
 
 def sweep_chunks(candidates: list[Candidate], n: int, k: int, act_order: bool) -> list[list[int]]:
-    """Indices of candidates grouped by column order (one GPTQ sweep serves each order) and cut
-    into chunks that fit _SWEEP_ELEMENTS."""
+    """Indices of candidates grouped by column order (measure.sweep_groups) and cut into chunks
+    that fit _SWEEP_ELEMENTS."""
     per_chunk = max(1, _SWEEP_ELEMENTS // (n * k))
     chunks: list[list[int]] = []
-    for order in sorted({c.sweep_order(act_order) for c in candidates}):
-        idx = [i for i, c in enumerate(candidates) if c.sweep_order(act_order) == order]
+    for idx in sweep_groups(candidates, act_order).values():
         chunks += [idx[i : i + per_chunk] for i in range(0, len(idx), per_chunk)]
     return chunks
 

@@ -53,7 +53,7 @@ from halfbyte.quant.layer_forward import (  # noqa: F401  (re-exported for bench
 )
 from halfbyte.quant.measure import Candidate, allocate, default_candidates, quantize_candidate, storage_bits
 from halfbyte.quant.packing import SUPPORTED_BITS
-from halfbyte.quant.qtensor import ALLOWED_GROUP_SIZES, FORMAT_VERSION, QuantWeight
+from halfbyte.quant.qtensor import ALLOWED_GROUP_SIZES, FORMAT_VERSION, QuantWeight, slice_storage_bits
 
 # files besides the weights and config that a model directory carries over (plus tokenizer*)
 _COPIED = ("generation_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
@@ -322,9 +322,7 @@ def _meta_storage_bits(meta: dict[str, Any]) -> int:
     n = meta["out_features"]
     total = 32 * meta["in_features"] if meta["act_order"] else 0
     for s in meta["slices"]:
-        width = s["k_end"] - s["k_start"]
-        groups = math.ceil(width / s["group_size"])
-        total += width * s["bits"] * n + (16 * groups * n + 32 * n if s.get("scale_codes") else 32 * groups * n)
+        total += slice_storage_bits(s["k_end"] - s["k_start"], s["bits"], s["group_size"], n, bool(s.get("scale_codes")))
     return total
 
 

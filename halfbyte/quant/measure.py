@@ -16,7 +16,6 @@ storage budget.
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ import torch
 from halfbyte.errors import QuantizationError
 from halfbyte.quant.gptq import _inverse_cholesky_upper, activation_order, gptq_quantize
 from halfbyte.quant.packing import BLOCK_K, SUPPORTED_BITS
-from halfbyte.quant.qtensor import QuantSlice, QuantWeight
+from halfbyte.quant.qtensor import QuantSlice, QuantWeight, slice_storage_bits
 from halfbyte.quant.rtn import group_params
 from halfbyte.quant.scale_codes import ScaleCodes, grid_steps, snap
 
@@ -95,7 +94,8 @@ class Candidate:
     @classmethod
     def from_json(cls, d: dict[str, object]) -> Candidate:
         parts = tuple((float(f), int(b)) for f, b in d["parts"])  # type: ignore[union-attr]
-        return cls(parts, int(d["group_size"]), bool(d.get("act_order", True)), bool(d.get("scale_codes", False)),  # type: ignore[arg-type]
+        return cls(parts, int(d["group_size"]),  # type: ignore[call-overload]
+                   bool(d.get("act_order", True)), bool(d.get("scale_codes", False)),
                    int(d.get("order_block", 1)))  # type: ignore[call-overload]
 
 
@@ -134,9 +134,7 @@ def storage_bits(cand: Candidate, n: int, k: int, act_order: bool) -> int:
     act_order: whether the conversion allows act-order."""
     total = 32 * k if cand.uses_act_order(act_order) else 0
     for k0, k1, bits, gs in cand.slices(k):
-        width = k1 - k0
-        groups = math.ceil(width / gs)
-        total += width * bits * n + (16 * groups * n + 32 * n if cand.scale_codes else 32 * groups * n)
+        total += slice_storage_bits(k1 - k0, bits, gs, n, cand.scale_codes)
     return total
 
 
@@ -217,6 +215,14 @@ def _sweep(
     return deq
 
 
+def sweep_groups(candidates: list[Candidate], act_order: bool) -> dict[int, list[int]]:
+    """Indices of the candidates by Candidate.sweep_order: one GPTQ sweep serves each group."""
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(candidates):
+        groups.setdefault(c.sweep_order(act_order), []).append(i)
+    return dict(sorted(groups.items()))
+
+
 def candidate_weights(
     w: torch.Tensor,
     hessian: torch.Tensor,
@@ -236,8 +242,7 @@ def candidate_weights(
         raise QuantizationError("no candidates to measure")
     n, k = w.shape
     out = torch.empty(len(candidates), n, k)
-    for order in sorted({c.sweep_order(act_order) for c in candidates}):
-        idx = [i for i, c in enumerate(candidates) if c.sweep_order(act_order) == order]
+    for order, idx in sweep_groups(candidates, act_order).items():
         weight, h, perm = _prepare(w, hessian, order > 0, max(order, 1))
         hinv = _inverse_cholesky_upper(h, damp)
         deq = _sweep(weight, h, hinv, [candidates[i] for i in idx], block_size, clip_search).transpose(1, 2)  # [c, n, K] stored

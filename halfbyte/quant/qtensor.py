@@ -20,6 +20,14 @@ ALLOWED_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 FORMAT_VERSION = 1
 
 
+def slice_storage_bits(width: int, bits: int, group_size: int, n: int, coded: bool) -> int:
+    """Stored bits of one slice (docs/format.md's accounting), from its shape alone: packed
+    values, then per group an fp16 scale and min (32 bits) or their 8-bit codes (16 bits) plus
+    two fp16 steps per column."""
+    groups = math.ceil(width / group_size)
+    return width * bits * n + (16 * groups * n + 32 * n if coded else 32 * groups * n)
+
+
 @dataclass
 class QuantSlice:
     """Columns k_start..k_end of W in stored (permuted) order, all with one bits/group size.
@@ -92,9 +100,7 @@ class QuantSlice:
         return q * self.scales.float().t()[:, group] + self.mins.float().t()[:, group]
 
     def storage_bits(self) -> int:
-        if self.codes is not None:  # 8-bit codes, two float16 steps per column
-            return self.qweight.numel() * 32 + (self.scales.numel() + self.mins.numel()) * 8 + 32 * self.scales.shape[1]
-        return self.qweight.numel() * 32 + self.scales.numel() * 16 + self.mins.numel() * 16
+        return slice_storage_bits(self.width, self.bits, self.group_size, self.scales.shape[1], self.codes is not None)
 
     def meta(self) -> dict[str, int]:
         out = {"k_start": self.k_start, "k_end": self.k_end, "bits": self.bits, "group_size": self.group_size}
@@ -307,14 +313,14 @@ def concat_out(weights: list[QuantWeight]) -> QuantWeight:
     slices = []
     for i, s in enumerate(first.slices):
         parts = [w.slices[i] for w in weights]
-        codes = [p.codes for p in parts]
+        codes = [p.codes for p in parts if p.codes is not None]  # all or none: the metas matched
         slices.append(
             QuantSlice(
                 s.k_start, s.k_end, s.bits, s.group_size,
                 torch.cat([p.qweight for p in parts], dim=1),
                 torch.cat([p.scales for p in parts], dim=1),
                 torch.cat([p.mins for p in parts], dim=1),
-                ScaleCodes.cat(codes) if all(c is not None for c in codes) else None,  # type: ignore[misc]
+                ScaleCodes.cat(codes) if codes else None,
             )
         )
     out_features = sum(w.out_features for w in weights)

@@ -36,7 +36,8 @@ def group_params(
 
     clip_search (asymmetric only): per row, also try grids over the range shrunk towards its
     midpoint (CLIP_FACTORS) and keep the one with the least squared rounding error; at few bits
-    clipping a rare outlier buys a finer grid for the rest. The full range comes first and is
+    clipping a rare outlier buys a finer grid for the rest (searched up to CLIP_MAX_BITS bits;
+    above, the full range is used). The full range comes first and is
     kept on ties, so a row already on a grid stays exact. col_weight [G]: weights of the
     columns' squared errors (GPTQ passes its Hessian's diagonal, the inputs' energies)."""
     maxq = (1 << bits) - 1

@@ -37,9 +37,6 @@ class ScaleCodes:
     def to(self, device: torch.device | str) -> ScaleCodes:
         return ScaleCodes(self.scale_step.to(device), self.min_step.to(device))
 
-    def columns(self, index: slice | torch.Tensor) -> ScaleCodes:
-        return ScaleCodes(self.scale_step[index], self.min_step[index])
-
     @staticmethod
     def cat(parts: list[ScaleCodes]) -> ScaleCodes:
         return ScaleCodes(torch.cat([p.scale_step for p in parts]), torch.cat([p.min_step for p in parts]))
