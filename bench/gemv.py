@@ -59,6 +59,14 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * 4 / t / 1e9
 
 
+def read_bandwidth() -> float:
+    """Bytes read per second by a plain reduction (torch.sum) over 2 GiB: a read-only stream, the
+    pattern of a GEMV, which the copy's read + write mix does not show."""
+    a = torch.empty(1 << 30, dtype=torch.float16, device="cuda").normal_()
+    t = min(graph_time(lambda: a.sum(), reps=10) for _ in range(3))
+    return a.numel() * 2 / t / 1e9
+
+
 GPU_MD_COPY_GBS = 4161.0  # the H200's copy bandwidth as measured for GPU.md
 
 
@@ -85,10 +93,12 @@ def main() -> None:
     ap.add_argument("--sweep-rows", action="store_true", help="sweep only the 16- and 64-row (gemm_w4) settings")
     ap.add_argument("--sweep-b1", action="store_true",
                     help="sweep only gemv_w4's one-row settings, including tiles of one group (block_kw 8, 16)")
+    ap.add_argument("--sweep-b16", action="store_true", help="sweep only the 16-row gemm_w4 settings, with K splits")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     copy_gbs = copy_bandwidth()
+    read_gbs = read_bandwidth()
     rows = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
@@ -101,7 +111,9 @@ def main() -> None:
         ref1 = quant_matmul_ref(x1, qw, sc, mn, args.bits, args.group)
         ref16 = quant_matmul_ref(x16, qw, sc, mn, args.bits, args.group)
 
-        def pick(fn, grid, x, ref):  # type: ignore[no-untyped-def]
+        trials: list[dict[str, Any]] = []  # every timed config, for the JSON
+
+        def pick(fn, grid, x, ref, label="w4"):  # type: ignore[no-untyped-def]
             best = None
             for cfg in grid:
                 try:
@@ -114,6 +126,7 @@ def main() -> None:
                 except Exception as e:  # a config that does not compile (registers, shared memory)
                     print(f"  {name} {cfg}: {type(e).__name__} {str(e)[-1500:]}", file=sys.stderr)
                     continue
+                trials.append(dict(kernel=label, rows=x.shape[0], cfg=cfg, us=t * 1e6))
                 if best is None or t < best[1]:
                     best = (cfg, t, err)
             return best
@@ -121,8 +134,8 @@ def main() -> None:
         # the generic kernel at its defaults (or the tiled one for widths that straddle words)
         generic = gemv_triton if 32 % args.bits == 0 else quant_matmul_triton
         old = lambda x, q, s_, m_, **c: generic(x, q, s_, m_, args.bits, args.group, **c)  # noqa: E731
-        _, t1, err = pick(old, [{}], x1, ref1)
-        _, t16, err16 = pick(old, [{}], x16, ref16)
+        _, t1, err = pick(old, [{}], x1, ref1, "generic")
+        _, t16, err16 = pick(old, [{}], x16, ref16, "generic")
         row = dict(shape=name, n=n, k=k, bytes=nbytes, t1_us=t1 * 1e6, gbs=nbytes / t1 / 1e9,
                    pct_4161=100 * nbytes / t1 / 1e9 / GPU_MD_COPY_GBS,
                    pct_copy=100 * nbytes / t1 / 1e9 / copy_gbs, t16_over_t1=t16 / t1, rel_err=max(err, err16))
@@ -139,15 +152,20 @@ def main() -> None:
                 grid1 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_stages=st, num_warps=w)
                           for bn, kw, sk, st, w in itertools.product((64, 128, 256), (8, 16, 32), (None, 8, 16), (2, 4), (4, 8))
                           if bn * kw <= 4096]
+            grid16 = list(grid_m)
+            if args.sweep_b16:
+                grid16 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st) for bn, kw, sk, st, w in
+                           itertools.product((32, 64, 128), (16, 32), (None, 4), (3, 5), (2, 4))]
             if args.sweep or args.sweep_rows:
                 grid_m += [dict(block_n=bn, block_kw=kw, num_warps=w, num_stages=st)
                            for bn, kw, w, st in itertools.product((64, 128, 256), (16, 32), (4, 8), (3, 4))]
-                grid_m += [dict(block_n=bn, split_k=2) for bn in (64, 128, 256)]
+                grid_m += [dict(block_n=bn, block_kw=kw, split_k=sk) for bn, kw, sk in
+                           itertools.product((64, 128, 256), (16, 32), (2, 4, 8))]
             grid64 = grid_m + [dict(block_n=bn, block_m=bm, num_warps=w) for bn, bm, w in
                                itertools.product((64, 128, 256), (16, 32), (4, 8))] if args.sweep or args.sweep_rows else grid_m
             best1 = pick(new, grid1, x1, ref1)
             x64 = torch.randn(64, k, device="cuda", dtype=torch.float16)
-            best16 = pick(mma, grid_m, x16, ref16)
+            best16 = pick(mma, grid_m if args.sweep or args.sweep_rows else grid16, x16, ref16)
             best64 = pick(mma, grid64, x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
             if best1 is None or best16 is None or best64 is None:
                 raise SystemExit(f"{name}: every 4-bit config failed (see stderr)")
@@ -159,18 +177,19 @@ def main() -> None:
             row.update(x_split16=split16, x_split64=split64, w4_t16_other_us=alt16[1] * 1e6 if alt16 else None,
                        w4_t64_other_us=alt64[1] * 1e6 if alt64 else None)
             row.update(w4_t1_us=w1 * 1e6, w4_pct_copy=100 * nbytes / w1 / 1e9 / copy_gbs,
-                       w4_gbs=nbytes / w1 / 1e9, w4_pct_4161=100 * nbytes / w1 / 1e9 / GPU_MD_COPY_GBS, w4_t16_us=w16 * 1e6,
+                       w4_gbs=nbytes / w1 / 1e9, w4_pct_read=100 * nbytes / w1 / 1e9 / read_gbs, w4_pct_4161=100 * nbytes / w1 / 1e9 / GPU_MD_COPY_GBS, w4_t16_us=w16 * 1e6,
                        w4_t16_over_t1=w16 / w1, w4_t64_us=w64 * 1e6, w4_rel_err=max(e1, e16, e64),
                        w4_config=cfg, w4_config16=cfg16, w4_config64=cfg64)
         dense = [(torch.randn(n, k, device="cuda", dtype=torch.float16),) for _ in range(max(1, -(-240_000_000 // (n * k * 2))))]
+        row["trials"] = trials
         row["fp16_linear_us"] = rotated_time(lambda w: torch.nn.functional.linear(x1, w), dense) * 1e6
         del dense, copies
         rows.append(row)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, bits=args.bits,
-                  group=args.group, copy_gbs=copy_gbs, rows=rows)
+                  group=args.group, copy_gbs=copy_gbs, read_gbs=read_gbs, rows=rows)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s; {args.bits}-bit g{args.group}; {result['device']}")
+    print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s, read-only (sum) {read_gbs:.0f} GB/s; {args.bits}-bit g{args.group}; {result['device']}")
     print(f"(%copy: of this run's copy; %4161: of GPU.md's {GPU_MD_COPY_GBS:.0f} GB/s)")
     print(f"{'shape':<12}{'us b1':>8}{'%copy':>7}{'b16/b1':>8}{'w4 us b1':>10}{'w4 %copy':>10}{'%4161':>7}{'w4 b16/b1':>10}"
           f"{'w4 b64 us':>10}{'fp16 us':>9}  w4 config b1 | b16")

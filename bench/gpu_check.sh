@@ -58,7 +58,7 @@ step_attention() {
   timeout 120 python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tail -4
 }
 step_gemv() {
-  timeout 300 python3 bench/gemv.py --json "$OUT/gemv.json" ${GEMV_ARGS:-} 2>"$OUT/gemv.err" | tail -11
+  timeout "${GEMV_TIMEOUT:-300}" python3 bench/gemv.py --json "$OUT/gemv.json" ${GEMV_ARGS:-} 2>"$OUT/gemv.err" | tail -${GEMV_TAIL:-11}
 }
 step_gemv_nopdl() {
   HALFBYTE_PDL=0 timeout 300 python3 bench/gemv.py --json "$OUT/gemv_nopdl.json" ${GEMV_ARGS:-} 2>"$OUT/gemv_nopdl.err" | tail -11
