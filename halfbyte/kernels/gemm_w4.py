@@ -157,15 +157,15 @@ def permute_x(x: torch.Tensor, block_kw: int) -> torch.Tensor:
 MAX_ROWS = 64
 # x's value planes: a permuted copy first, or split in the kernel. Measured on the H200 (BENCHMARKS.md):
 # the split loses at 64 rows on every shape (8B gate_up 74 -> 153 us) and wins at 16 rows only
-# where (N, K) is listed here (8B o 12.5 -> 10.7 us, 70B qkv 29.6 -> 28.4 us).
+# where (N, K) is listed here (8B o 12.5 -> 10.7 us, 70B qkv 29.6 -> 28.4 us, 70B o 24.7 -> 23.0).
 X_SPLIT = os.environ.get("HALFBYTE_GEMM_X", "permute") == "split"
-_SPLIT_AT_16_ROWS = {(4096, 4096), (10240, 8192)}
+_SPLIT_AT_16_ROWS = {(4096, 4096), (10240, 8192), (8192, 8192)}
 
 # (N, K) -> {rows bucket: (block_n, block_kw, warps, stages, split_k or None, block_m or None)}:
 # the H200 sweep's winners (bench/gemv.py --sweep-rows, BENCHMARKS.md); rows 2-16 use the 16
 # entry, 17-64 the 64 one. At 64 rows, two 32-row programs per weight tile won on every 8B shape.
 _TUNED: dict[tuple[int, int], dict[int, tuple[int, int, int, int, int | None, int | None]]] = {
-    (6144, 4096): {16: (64, 32, 4, 3, None, None), 64: (256, 16, 4, 3, None, 32)},  # 8B qkv
+    (6144, 4096): {16: (64, 16, 4, 3, 4, None), 64: (256, 16, 4, 3, None, 32)},  # 8B qkv
     (4096, 4096): {16: (64, 16, 4, 3, None, None), 64: (64, 16, 4, 3, None, 32)},  # 8B o
     (28672, 4096): {16: (256, 16, 4, 3, None, None), 64: (256, 16, 4, 3, None, 32)},  # 8B gate_up
     (4096, 14336): {16: (64, 32, 4, 3, None, None), 64: (256, 16, 4, 3, None, 32)},  # 8B down
