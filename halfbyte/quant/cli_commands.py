@@ -15,7 +15,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         bits=args.bits, group_size=args.group_size, head_bits=args.head_bits, act_order=args.act_order,
         calib_files=tuple(args.calib or ()), seq_len=args.calib_seq_len, num_windows=args.calib_windows,
         show_progress=sys.stderr.isatty() or args.progress, measure_cache=args.measure_cache,
-        clip_search=args.clip_search,
+        clip_search=args.clip_search, tune_steps=0 if not args.tune else args.tune_steps,
     )
     result = convert(args.model, args.out, opts)
     print(
@@ -76,6 +76,11 @@ def add_subcommands(sub: Any) -> None:
                       help="search clipped group ranges for the least energy-weighted rounding error (default: on)")
     conv.add_argument("--measure-cache", default=None, metavar="DIR",
                       help="keep calibration and measurements in DIR and reuse them when converting the same model to other budgets")
+    conv.add_argument("--tune", action=argparse.BooleanOptionalAction, default=True,
+                      help="after quantizing, tune norms, scales and mins end to end on the calibration windows "
+                      "(default: on below 4 bits per weight, where it pays; --no-tune skips it)")
+    conv.add_argument("--tune-steps", type=_positive_int, default=None, metavar="N",
+                      help="end-to-end tuning steps, one calibration window each (default: 36 below 4 bpw, else 0)")
     conv.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     conv.set_defaults(func=_cmd_convert)
 

@@ -1,0 +1,152 @@
+"""End-to-end tuning (halfbyte/quant/tune.py): its forward is the model's, it lowers the KL it
+optimises while every quantized value stays, and the converter stage resumes byte-identically."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from halfbyte.io.model_dir import read_json
+from halfbyte.model.config import ModelConfig
+from halfbyte.model.rope import RotaryEmbedding
+from halfbyte.quant.convert import ConvertOptions, convert
+from halfbyte.quant.layer_forward import UNITS, TensorSource, read_layer
+from halfbyte.quant.measure import Candidate
+from halfbyte.quant.tune import Layer, TunableModel, _kl, forward_hidden, tune
+from tests.test_convert import CORPUS, _files, _logits, make_model
+
+CODED = Candidate(((1.0, 3),), 32, act_order=True, scale_codes=True)
+FP16 = Candidate(((1.0, 3),), 64, act_order=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("tiny") / "m")
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text(CORPUS)
+    return path
+
+
+def _opts(calib: Path, **kw: object) -> ConvertOptions:
+    base: dict[str, object] = dict(calib_files=(str(calib),), seq_len=64, num_windows=6, show_progress=False, tune_steps=0)
+    base.update(kw)
+    return ConvertOptions(bits=5.0, **base)  # type: ignore[arg-type]
+
+
+def _setup(model_dir: Path) -> tuple[ModelConfig, RotaryEmbedding, TensorSource]:
+    cfg = ModelConfig.from_hf(read_json(model_dir / "config.json"))
+    rotary = RotaryEmbedding(cfg.rope_scaling, cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
+                             torch.device("cpu"), torch.float32)
+    return cfg, rotary, TensorSource(model_dir)
+
+
+def _float_layers(src: TensorSource, n: int) -> list[Layer]:
+    out = []
+    for i in range(n):
+        lw = read_layer(src, i)
+        out.append(Layer(lw.matrices, lw.biases, lw.input_norm.float(), lw.post_norm.float()))
+    return out
+
+
+def _ids(model_dir: Path, text: str) -> list[int]:
+    from halfbyte.io.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir).encode(text, add_special_tokens=False)
+
+
+def test_forward_is_the_models_forward(tiny: Path) -> None:
+    cfg, rotary, src = _setup(tiny)
+    ids = _ids(tiny, CORPUS[:400])[:48]
+    emb = src.get("model.embed_tokens.weight").float()
+    with torch.no_grad():
+        h = forward_hidden(cfg, _float_layers(src, cfg.num_layers), src.get("model.norm.weight").float(), emb[torch.tensor(ids)], rotary)
+    torch.testing.assert_close(h @ emb.t(), _logits(tiny, ids), rtol=1e-4, atol=1e-4)
+
+
+def _quantized(out: Path, n: int) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, object]], torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            tensors.update({k: h.get_tensor(k) for k in h.keys()})
+    layers = json.loads((out / "config.json").read_text())["quantization"]["layers"]
+    per_layer = [{k: v for k, v in tensors.items() if k.startswith(f"model.layers.{i}.")} for i in range(n)]
+    metas = [{u: layers[f"model.layers.{i}.{u}"] for u in UNITS} for i in range(n)]
+    return per_layer, metas, tensors["model.norm.weight"]
+
+
+@pytest.mark.parametrize("cand", [CODED, FP16], ids=["coded", "fp16"])
+def test_tuning_lowers_the_kl_and_keeps_every_quantized_value(tiny: Path, calib: Path, tmp_path: Path, cand: Candidate) -> None:
+    out = tmp_path / "q"
+    convert(tiny, out, _opts(calib, candidates=(cand,)))
+    cfg, rotary, src = _setup(tiny)
+    per_layer, metas, final_norm = _quantized(out, cfg.num_layers)
+    emb = src.get("model.embed_tokens.weight").float()
+    ids = _ids(tiny, CORPUS)
+    windows = [ids[i * 64:(i + 1) * 64] for i in range(4)]
+    with torch.no_grad():
+        ref = [forward_hidden(cfg, _float_layers(src, cfg.num_layers), src.get("model.norm.weight").float(),
+                              emb[torch.tensor(w)], rotary) for w in windows]
+    model = TunableModel(per_layer, metas, final_norm)
+
+    def kl() -> float:
+        layers, fn = model.layers()
+        with torch.no_grad():
+            return sum(float(_kl(forward_hidden(cfg, layers, fn, emb[torch.tensor(w)], rotary) @ emb.t(), r @ emb.t()))
+                       for w, r in zip(windows, ref, strict=True)) / len(windows)
+
+    before = kl()
+    assert before > 1e-3  # 3 bits leave a visible error to tune away
+    tune(cfg, model, rotary, emb, emb, emb, windows, ref, steps=24, lr_norm=1e-2, lr_scale=2e-3)
+    after = kl()
+    assert after < 0.9 * before, (before, after)
+    tuned, tuned_norm = model.state_dicts()
+    assert not torch.equal(tuned_norm, final_norm)
+    for i, (old, new) in enumerate(zip(per_layer, tuned, strict=True)):
+        assert set(old) == set(new)
+        for key, t in old.items():
+            assert new[key].dtype == t.dtype and new[key].shape == t.shape, key
+            if ".qweight." in key or key.endswith(".perm") or (cand.scale_codes and (".scales." in key or ".mins." in key)):
+                assert torch.equal(new[key], t), key  # q, the permutation and the 8-bit codes stay
+        assert not torch.equal(new[f"model.layers.{i}.input_layernorm.weight"], old[f"model.layers.{i}.input_layernorm.weight"])
+        moved = "scale_step" if cand.scale_codes else "scales"
+        assert not torch.equal(new[f"model.layers.{i}.mlp.down_proj.{moved}.0"], old[f"model.layers.{i}.mlp.down_proj.{moved}.0"])
+
+
+def test_resume_during_tuning_gives_identical_files(tiny: Path, calib: Path, tmp_path: Path) -> None:
+    straight = tmp_path / "straight"
+    convert(tiny, straight, _opts(calib, candidates=(CODED, FP16), tune_steps=6))
+    untuned = tmp_path / "untuned"
+    convert(tiny, untuned, _opts(calib, candidates=(CODED, FP16)))
+    assert _files(straight) != _files(untuned)  # the stage ran and changed the output
+
+    class Killed(Exception):
+        pass
+
+    def kill(pass_name: str, i: int) -> None:
+        if (pass_name, i) == ("tune", 3):
+            raise Killed
+
+    out = tmp_path / "resumed"
+    with pytest.raises(Killed):
+        convert(tiny, out, _opts(calib, candidates=(CODED, FP16), tune_steps=6, after_layer=kill))
+    assert not out.exists() and (tmp_path / "resumed.partial").is_dir()
+    calls: list[tuple[str, int]] = []
+    convert(tiny, out, _opts(calib, candidates=(CODED, FP16), tune_steps=6, after_layer=lambda p, i: calls.append((p, i))))
+    assert calls == [("tune", s) for s in range(6)]  # no layer quantized again; tuning from its start
+    assert _files(out) == _files(straight)
+
+
+def test_bad_tune_steps_is_a_clear_error(tiny: Path, calib: Path, tmp_path: Path) -> None:
+    from halfbyte.quant.convert import ConversionError
+
+    with pytest.raises(ConversionError, match="tune-steps"):
+        convert(tiny, tmp_path / "q", _opts(calib, tune_steps=-1))
+    assert not (tmp_path / "q").exists() and not (tmp_path / "q.partial").exists()
