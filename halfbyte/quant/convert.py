@@ -11,6 +11,12 @@ activations (the residual stream entering the layer, [tokens, hidden]):
 2. after measure.allocate picks one candidate per matrix within the budget, quantize: GPTQ
    with the chosen settings, "true sequential" (o_proj's Hessian comes from the quantized qkv
    output, and so on), and the stream goes on through the quantized layer.
+3. below 4 bpw (ConvertOptions.tune_steps), tune end to end (tune.py): with every q fixed, the
+   norms and the group scales and mins (coded slices: their per-column steps) are tuned by Adam
+   on KL(float || quantized) of the output logits over the calibration windows. This stage holds
+   the whole quantized decoder (q as uint8) and, for the backward pass, fp32 copies of its
+   dequantized weights and one window's activations: the only stage that does not stream layer
+   by layer (--no-tune where that matters).
 
 With measure_cache, the calibration windows and measurements are kept there (keyed by every
 setting except the budget) for conversions of the same model to other budgets.
@@ -333,7 +339,10 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
         if opts.steps() > 0:
             layer_dir = _tune_stage(cfg, src, partial, mdir, windows, rotary, rest, head_meta, opts, progress)
             rest["model.norm.weight"] = _read_tensors(layer_dir / "norm.safetensors")["model.norm.weight"]
-            console.print(f"tuned [{time.perf_counter() - t_start:.0f} s]")
+            losses = json.loads((layer_dir / "done.json").read_text())["losses"]
+            n = min(len(windows), len(losses))  # one pass over the windows at the start and at the end
+            console.print(f"tuned: calibration KL {sum(losses[:n]) / n:.4f} (first pass) -> "
+                          f"{sum(losses[-n:]) / n:.4f} (last) [{time.perf_counter() - t_start:.0f} s]")
         result = _assemble(model_dir, out_dir, partial, layer_dir, len(windows), hf_cfg, cfg, rest, head_meta, opts)
 
     result.seconds = time.perf_counter() - t_start
