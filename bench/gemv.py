@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--sweep-rows", action="store_true", help="sweep only the 16- and 64-row (gemm_w4) settings")
     ap.add_argument("--sweep-b1", action="store_true",
                     help="sweep only gemv_w4's one-row settings, including tiles of one group (block_kw 8, 16)")
+    ap.add_argument("--pairs", action="store_true", help="one row: gemv_w4 with pair_rows beside the default, same call")
     ap.add_argument("--sweep-b16", action="store_true", help="sweep only the 16-row gemm_w4 settings, with K splits")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
@@ -171,6 +172,10 @@ def main() -> None:
                 grid1 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_stages=st, num_warps=w)
                           for bn, kw, sk, st, w in itertools.product((64, 128, 256), (8, 16, 32), (None, 8, 16), (2, 4), (4, 8))
                           if bn * kw <= 4096]
+            if args.pairs:  # the tuned tile with paired rows, and the tiles that compile to the fewest instructions
+                grid1 += [dict(pair_rows=True)] + [dict(block_n=bn, block_kw=kw, num_warps=w, split_k=sk, pair_rows=True)
+                                                   for (bn, kw, w), sk in itertools.product(
+                                                       ((64, 32, 4), (64, 64, 8), (128, 32, 8), (256, 32, 8)), (None, 8))]
             grid16 = list(grid_m)
             if args.sweep_b16:
                 grid16 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st) for bn, kw, sk, st, w in
@@ -217,6 +222,12 @@ def main() -> None:
               if "w4_t1_us" in r else f"{'-':>10}{'-':>10}{'-':>7}{'-':>10}")
         print(f"{r['shape']:<12}{r['t1_us']:>8.1f}{r['pct_copy']:>7.1f}{r['t16_over_t1']:>8.2f}{w4}{r.get('w4_t64_us', 0):>10.1f}"
               f"{r['fp16_linear_us']:>9.1f}  {r.get('w4_config')} | {r.get('w4_config16')} | {r.get('w4_config64')}")
+    if args.pairs:
+        for r in rows:
+            one = [tr for tr in r["trials"] if tr["rows"] == 1 and tr["kernel"] == "w4"]
+            plain = min((tr for tr in one if not tr["cfg"].get("pair_rows")), key=lambda tr: tr["us"])
+            paired = min((tr for tr in one if tr["cfg"].get("pair_rows")), key=lambda tr: tr["us"])
+            print(f"{r['shape']:<12} b1 default {plain['us']:.1f} us, pair_rows {paired['us']:.1f} us {paired['cfg']}")
     print("gemm_w4, x split in the kernel (S) or permuted (P), default -> the other, same configs: " + ", ".join(
         f"{r['shape']} b16 {'SP'[not r['x_split16']]} {r['w4_t16_us']:.1f}->{r['w4_t16_other_us'] or float('nan'):.1f} "
         f"b64 {'SP'[not r['x_split64']]} {r['w4_t64_us']:.1f}->{r['w4_t64_other_us'] or float('nan'):.1f} us"

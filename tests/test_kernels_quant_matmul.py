@@ -66,11 +66,16 @@ def test_gemv_w4(n: int, k: int, group: int) -> None:
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + 1)).half().to(DEVICE)
     assert gemv_w4.supports(x, 4, group)
     ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
-    for split_k, block_n, block_kw in ((1, 64, 8), (3, 128, 16), (None, None, None)):
+    # pair_rows: two word rows per fp32 conversion (16 products summed in fp16)
+    for split_k, block_n, block_kw, pairs in ((1, 64, 8, False), (3, 128, 16, False), (None, None, None, False),
+                                              (1, 64, 8, True), (3, 32, 16, True), (None, 64, 32, True)):
         torch.empty(1, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))  # poison the allocator's next block
-        out = gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=split_k, block_n=block_n, block_kw=block_kw)
+        out = gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=split_k, block_n=block_n, block_kw=block_kw,
+                              pair_rows=pairs)
         assert out.dtype == torch.float16 and out.shape == (1, n)
-        assert rel_err(out, ref) <= 1e-3, (split_k, block_n, rel_err(out, ref))
+        assert rel_err(out, ref) <= 1e-3, (split_k, block_n, pairs, rel_err(out, ref))
+    with pytest.raises(ValueError, match="even block_kw"):
+        gemv_w4.gemv_w4(x, qweight, scales, mins, group, block_kw=3, pair_rows=True)
 
 
 def test_gemv_w4_declines_what_it_cannot_do() -> None:

@@ -60,10 +60,35 @@ _DOT8_ASM = (
 )
 
 
+# Two words of one column (rows 2i and 2i + 1: the same group, as groups are multiples of 16): 16
+# products in one f16x2 accumulator, one conversion to fp32 for both ($3-$6: x pairs of the first
+# word, $7-$10 of the second).
+_DOT16_ASM = (
+    "{\n .reg .b32 m1032, inv16, m72, top, q04, q15, q26, q37, acc;\n .reg .b16 lo, hi;\n .reg .f32 f0, f1;\n"
+    + _DEQUANT_PTX.format(w="$1")
+    + """
+    mul.rn.f16x2 acc, q04, $3;
+    fma.rn.f16x2 acc, q15, $4, acc;
+    fma.rn.f16x2 acc, q26, $5, acc;
+    fma.rn.f16x2 acc, q37, $6, acc;"""
+    + _DEQUANT_PTX.split("mov.b32 m72, 0xd480d480;")[1].format(w="$2")
+    + """
+    fma.rn.f16x2 acc, q04, $7, acc;
+    fma.rn.f16x2 acc, q15, $8, acc;
+    fma.rn.f16x2 acc, q26, $9, acc;
+    fma.rn.f16x2 acc, q37, $10, acc;
+    mov.b32 {lo, hi}, acc;
+    cvt.f32.f16 f0, lo;
+    cvt.f32.f16 f1, hi;
+    add.f32 $0, f0, f1;
+}"""
+)
+
 if HAS_TRITON:
 
     # jit functions read module globals only as constexprs
     DOT8_ASM = tl.constexpr(_DOT8_ASM)
+    DOT16_ASM = tl.constexpr(_DOT16_ASM)
 
     @triton.jit
     def _nibble(uw, j: tl.constexpr):
@@ -125,6 +150,52 @@ if HAS_TRITON:
             return acc + dots * s + xs[:, None] * m
 
     @triton.jit
+    def _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
+                       GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+        """acc [KW/2, N] fp32 += one tile's contribution, its even word rows in we, odd in wo: one
+        fp32 conversion, scale FMA and min FMA per two words instead of per word."""
+        HALF: tl.constexpr = BLOCK_KW // 2
+        row_e = k0 // 8 + 2 * tl.arange(0, HALF)
+        ok_e = row_e * 8 < k_end
+        ok_o = row_e * 8 + 8 < k_end
+        e04, e15, e26, e37, xs_e = _x_pairs(x_ptr, row_e, ok_e)
+        o04, o15, o26, o37, xs_o = _x_pairs(x_ptr, row_e + 1, ok_o)
+        if USE_ASM:
+            dots = tl.inline_asm_elementwise(
+                DOT16_ASM, "=r,r,r,r,r,r,r,r,r,r,r",
+                [we, wo, tl.broadcast_to(e04[:, None], [HALF, BLOCK_N]), tl.broadcast_to(e15[:, None], [HALF, BLOCK_N]),
+                 tl.broadcast_to(e26[:, None], [HALF, BLOCK_N]), tl.broadcast_to(e37[:, None], [HALF, BLOCK_N]),
+                 tl.broadcast_to(o04[:, None], [HALF, BLOCK_N]), tl.broadcast_to(o15[:, None], [HALF, BLOCK_N]),
+                 tl.broadcast_to(o26[:, None], [HALF, BLOCK_N]), tl.broadcast_to(o37[:, None], [HALF, BLOCK_N])],
+                dtype=tl.float32, is_pure=True, pack=1,
+            )
+        else:
+            ue = we.to(tl.uint32, bitcast=True)
+            uo = wo.to(tl.uint32, bitcast=True)
+            dots = tl.zeros([HALF, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(8):
+                xe = tl.load(x_ptr + row_e * 8 + j, mask=ok_e, other=0.0).to(tl.float32)
+                xo = tl.load(x_ptr + row_e * 8 + 8 + j, mask=ok_o, other=0.0).to(tl.float32)
+                dots += _nibble(ue, j).to(tl.float32) * xe[:, None] + _nibble(uo, j).to(tl.float32) * xo[:, None]
+        xs = xs_e + xs_o
+        if GROUP % (BLOCK_KW * 8) == 0:  # the whole tile is in one group: one scale row
+            g = k0 // GROUP
+            s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
+            m = tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32) + 8.0 * s
+            return acc + dots * s[None, :] + xs[:, None] * m[None, :]
+        else:
+            mask = ok_e[:, None] & n_mask[None, :]
+            offs = ((row_e * 8) // GROUP * N)[:, None] + rn[None, :]
+            s = tl.load(scales_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(mins_ptr + offs, mask=mask, other=0.0).to(tl.float32) + 8.0 * s
+            return acc + dots * s + xs[:, None] * m
+
+    @triton.jit
+    def _load_rows(qw_ptr, w_row, k_end, N, rn, n_mask):
+        mask = (w_row * 8 < k_end)[:, None] & n_mask[None, :]
+        return tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=mask, other=0)
+
+    @triton.jit
     def _load_words(qw_ptr, k0, k_end, N, rn, n_mask, BLOCK_KW: tl.constexpr):
         w_row = k0 // 8 + tl.arange(0, BLOCK_KW)
         mask = (w_row * 8 < k_end)[:, None] & n_mask[None, :]
@@ -135,7 +206,7 @@ if HAS_TRITON:
         x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
-        USE_ASM: tl.constexpr, PDL: tl.constexpr,
+        PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,
     ):
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
@@ -147,16 +218,28 @@ if HAS_TRITON:
         # The weights never change, so the first tile is read before waiting for the previous
         # kernel (PDL): its DRAM round trip overlaps that kernel's tail. Small matrices (8B qkv,
         # o) are one or two tiles per program, so most of their bytes move during the wait.
-        words = _load_words(qw_ptr, k_start, k_end, N, rn, n_mask, BLOCK_KW)
-        pdl_sync(PDL)
-        acc = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
-                           GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
-            # the next tile (past k_end fully masked: no traffic), requested after this one's
-            # reduction in program order; loading it at the top of the loop instead ran 70B qkv
-            # in 21.7 us instead of 16.2 (H200, BENCHMARKS.md)
-            words = _load_words(qw_ptr, k0 + BLOCK_K, k_end, N, rn, n_mask, BLOCK_KW)
+        if PAIR_ROWS:  # even and odd word rows as two tiles of one layout: a thread holds both
+            even = 2 * tl.arange(0, BLOCK_KW // 2)
+            we = _load_rows(qw_ptr, k_start // 8 + even, k_end, N, rn, n_mask)
+            wo = _load_rows(qw_ptr, k_start // 8 + even + 1, k_end, N, rn, n_mask)
+            pdl_sync(PDL)
+            acc = tl.zeros([BLOCK_KW // 2, BLOCK_N], dtype=tl.float32)
+            for k0 in range(k_start, k_end, BLOCK_K):
+                acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
+                                     GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
+                we = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even, k_end, N, rn, n_mask)
+                wo = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even + 1, k_end, N, rn, n_mask)
+        else:
+            words = _load_words(qw_ptr, k_start, k_end, N, rn, n_mask, BLOCK_KW)
+            pdl_sync(PDL)
+            acc = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
+            for k0 in range(k_start, k_end, BLOCK_K):
+                acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
+                               GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
+                # the next tile (past k_end fully masked: no traffic), requested after this one's
+                # reduction in program order; loading it at the top of the loop instead ran 70B qkv
+                # in 21.7 us instead of 16.2 (H200, BENCHMARKS.md)
+                words = _load_words(qw_ptr, k0 + BLOCK_K, k_end, N, rn, n_mask, BLOCK_KW)
         total = tl.sum(acc, axis=0)[None, :]
         _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K)
 
@@ -177,6 +260,9 @@ _M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int]] = {
 }
 
 
+PAIR_ROWS = os.environ.get("HALFBYTE_GEMV_PAIRS", "0") == "1"
+
+
 def _use_asm() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -191,9 +277,9 @@ def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
 def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
 ) -> torch.Tensor:
-    """x [1, K] fp16 -> [1, N] fp16."""
+    """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even)."""
     k = x.shape[1]
     assert supports(x, 4, group_size), (x.shape, x.dtype, group_size)
     n = qweight.shape[1]
@@ -206,12 +292,15 @@ def gemv_w4(
     split_k = split_k if split_k is not None else tuned[2]
     num_stages = num_stages or tuned[3]
     num_warps = num_warps or tuned[4]
+    pair_rows = PAIR_ROWS if pair_rows is None else pair_rows
+    if pair_rows and block_kw % 2:
+        raise ValueError(f"gemv_w4: pair_rows needs an even block_kw, got {block_kw}")
     x = x.contiguous()
     col_blocks = triton.cdiv(n, block_n)
     split_k, k_per_split, out, partial, counters = split_k_launch(x, n, block_kw * 8, col_blocks, split_k)
     _gemv_w4_m1_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
-        GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, USE_ASM=_use_asm(),
+        GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows, USE_ASM=_use_asm(),
         num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
     return out
