@@ -12,6 +12,12 @@ which equals x @ dequant(W)^T. Centring q on 8 keeps the fp16 partial sums small
 products of one word are summed in fp16 (4 per half) before fp32 (measured rel. error ~3e-4 vs
 2e-4 for the fp16 output rounding alone). Several rows: gemm_w4.py (tensor cores).
 
+The kernel is instruction-bound on large matrices (Nsight Compute: ~1 instruction per cycle per
+scheduler; ~30 SASS instructions per word, bench/kernel_sass.py). pair_rows loads the even and odd
+word rows of a tile as two tiles of one layout, so each thread holds both words of a column and
+sums their 16 products in one f16x2 accumulator: one fp32 conversion, scale FMA and min FMA per
+two words (~25 instructions per word; 70B gate_up 82.7 -> 67.5 us on the H200).
+
 A word holds k = 8r .. 8r+7; value j sits in bits 4j..4j+3. The f16x2 trick pairs values
 (0, 4), (1, 5), (2, 6), (3, 7): the x pairs are built the same way. Triton's interpreter (CI)
 cannot run PTX, so USE_ASM=False computes the same sums with plain shifts; the GPU tests check
@@ -244,23 +250,24 @@ if HAS_TRITON:
         _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K)
 
 
-# (N, K) -> (block_n, block_kw, split_k or None for about two waves, stages, warps): the H200
-# sweep's winners for Llama-3 8B / 70B shapes (bench/gemv.py --sweep, --sweep-b1 with PDL on;
-# 8B qkv, 70B o and down re-swept after the loop reorder; BENCHMARKS.md). Calls on different
-# machines differ by up to ~15% for the same config, so only same-call comparisons count.
-_M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int]] = {
-    (6144, 4096): (256, 16, None, 2, 4),  # 8B qkv
-    (4096, 4096): (64, 64, 16, 2, 4),  # 8B o
-    (28672, 4096): (256, 16, 8, 4, 4),  # 8B gate_up
-    (4096, 14336): (64, 32, 16, 4, 4),  # 8B down
-    (10240, 8192): (512, 16, None, 2, 4),  # 70B qkv
-    (8192, 8192): (128, 32, 8, 2, 4),  # 70B o
-    (57344, 8192): (64, 32, None, 2, 8),  # 70B gate_up
-    (8192, 28672): (128, 32, 8, 2, 4),  # 70B down
+# (N, K) -> (block_n, block_kw, split_k or None for about two waves, stages, warps, pair_rows):
+# the H200 sweep's winners for Llama-3 8B / 70B shapes (bench/gemv.py --sweep, --sweep-b1, --pairs
+# with PDL on; BENCHMARKS.md). Calls on different machines differ by up to ~15% for the same
+# config, so only same-call comparisons count. Paired rows won, in one call, on 8B gate_up 26.4 ->
+# 23.5 us, 8B down 14.6 -> 13.2, 70B o 15.4 -> 14.6, gate_up 82.7 -> 67.5, down 42.0 -> 37.0, and
+# lost 0.3-0.9 us on the three others.
+_M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int, bool]] = {
+    (6144, 4096): (256, 16, None, 2, 4, False),  # 8B qkv
+    (4096, 4096): (64, 64, 16, 2, 4, False),  # 8B o
+    (28672, 4096): (256, 16, 8, 4, 4, True),  # 8B gate_up
+    (4096, 14336): (64, 64, 8, 2, 8, True),  # 8B down
+    (10240, 8192): (512, 16, None, 2, 4, False),  # 70B qkv
+    (8192, 8192): (64, 32, None, 2, 4, True),  # 70B o
+    (57344, 8192): (64, 64, None, 2, 8, True),  # 70B gate_up
+    (8192, 28672): (64, 64, None, 2, 8, True),  # 70B down
 }
-
-
-PAIR_ROWS = os.environ.get("HALFBYTE_GEMV_PAIRS", "0") == "1"
+# HALFBYTE_GEMV_PAIRS=0 / 1 forces pair_rows off / on for every shape (A/B runs)
+_PAIRS_ENV = os.environ.get("HALFBYTE_GEMV_PAIRS")
 
 
 def _use_asm() -> bool:
@@ -285,14 +292,15 @@ def gemv_w4(
     n = qweight.shape[1]
     assert (k // 8) * n < 2**31, "word offsets are int32"
     tuned = _M1_TUNED.get((n, k))
-    if tuned is None:  # untuned shapes: what won most often
-        tuned = (64, 32, None, 4, 4) if n * k >= 32 * 2**20 else (128, 64, None, 4, 4)
+    if tuned is None:  # untuned shapes: what won most often (large: 70B o's winner, ~25 instructions/word)
+        tuned = (64, 32, None, 4, 4, True) if n * k >= 32 * 2**20 else (128, 64, None, 4, 4, False)
     block_n = block_n or tuned[0]
     block_kw = block_kw or tuned[1]
     split_k = split_k if split_k is not None else tuned[2]
     num_stages = num_stages or tuned[3]
     num_warps = num_warps or tuned[4]
-    pair_rows = PAIR_ROWS if pair_rows is None else pair_rows
+    if pair_rows is None:
+        pair_rows = (tuned[5] if _PAIRS_ENV is None else _PAIRS_ENV == "1") and block_kw % 2 == 0
     if pair_rows and block_kw % 2:
         raise ValueError(f"gemv_w4: pair_rows needs an even block_kw, got {block_kw}")
     x = x.contiguous()
