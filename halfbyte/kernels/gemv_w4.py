@@ -35,10 +35,11 @@ from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, tr
 # q - 8 for the 8 nibbles of a word as 4 half2 registers: pairs (0,4) (1,5) (2,6) (3,7).
 # BOTTOM nibbles (bits 0-3 of each half) -> 1024 + q, minus 1032; TOP (bits 4-7) -> 1024 + 16q,
 # times 1/16 minus 72. lop3 0xea = (a & b) | c.
-_DEQUANT_PTX = """
+_DEQUANT_CONSTS = """
     mov.b32 m1032, 0x64086408;
     mov.b32 inv16, 0x2c002c00;
-    mov.b32 m72, 0xd480d480;
+    mov.b32 m72, 0xd480d480;"""
+_DEQUANT_WORD = """
     shr.u32 top, {w}, 8;
     lop3.b32 q04, {w}, 0x000f000f, 0x64006400, 0xea;
     lop3.b32 q15, {w}, 0x00f000f0, 0x64006400, 0xea;
@@ -47,48 +48,28 @@ _DEQUANT_PTX = """
     sub.f16x2 q04, q04, m1032;
     fma.rn.f16x2 q15, q15, inv16, m72;
     sub.f16x2 q26, q26, m1032;
-    fma.rn.f16x2 q37, q37, inv16, m72;
-"""
-
-_DOT8_ASM = (
-    "{\n .reg .b32 m1032, inv16, m72, top, q04, q15, q26, q37, acc;\n .reg .b16 lo, hi;\n .reg .f32 f0, f1;\n"
-    + _DEQUANT_PTX.format(w="$1")
-    + """
-    mul.rn.f16x2 acc, q04, $2;
-    fma.rn.f16x2 acc, q15, $3, acc;
-    fma.rn.f16x2 acc, q26, $4, acc;
-    fma.rn.f16x2 acc, q37, $5, acc;
-    mov.b32 {lo, hi}, acc;
-    cvt.f32.f16 f0, lo;
-    cvt.f32.f16 f1, hi;
-    add.f32 $0, f0, f1;
-}"""
-)
+    fma.rn.f16x2 q37, q37, inv16, m72;"""
+_DEQUANT_PTX = _DEQUANT_CONSTS + _DEQUANT_WORD + "\n"
 
 
-# Two words of one column (rows 2i and 2i + 1: the same group, as groups are multiples of 16): 16
-# products in one f16x2 accumulator, one conversion to fp32 for both ($3-$6: x pairs of the first
-# word, $7-$10 of the second).
-_DOT16_ASM = (
-    "{\n .reg .b32 m1032, inv16, m72, top, q04, q15, q26, q37, acc;\n .reg .b16 lo, hi;\n .reg .f32 f0, f1;\n"
-    + _DEQUANT_PTX.format(w="$1")
-    + """
-    mul.rn.f16x2 acc, q04, $3;
-    fma.rn.f16x2 acc, q15, $4, acc;
-    fma.rn.f16x2 acc, q26, $5, acc;
-    fma.rn.f16x2 acc, q37, $6, acc;"""
-    + _DEQUANT_PTX.split("mov.b32 m72, 0xd480d480;")[1].format(w="$2")
-    + """
-    fma.rn.f16x2 acc, q04, $7, acc;
-    fma.rn.f16x2 acc, q15, $8, acc;
-    fma.rn.f16x2 acc, q26, $9, acc;
-    fma.rn.f16x2 acc, q37, $10, acc;
-    mov.b32 {lo, hi}, acc;
-    cvt.f32.f16 f0, lo;
-    cvt.f32.f16 f1, hi;
-    add.f32 $0, f0, f1;
-}"""
-)
+def _dot_asm(words: int) -> str:
+    """PTX for $0 (fp32) = the sum over `words` words ($1 ..) of their 8 values (q - 8) times x,
+    the x pairs of word i in the four operands after the words: all products in one f16x2
+    accumulator, converted to fp32 once. The words of one call share a group (and its scale)."""
+    lines = ["{", " .reg .b32 m1032, inv16, m72, top, q04, q15, q26, q37, acc;", " .reg .b16 lo, hi;",
+             " .reg .f32 f0, f1;", _DEQUANT_CONSTS]
+    for i in range(words):
+        lines.append(_DEQUANT_WORD.format(w=f"${1 + i}"))
+        for j, q in enumerate(("q04", "q15", "q26", "q37")):
+            x = f"${1 + words + 4 * i + j}"
+            lines.append(f"    mul.rn.f16x2 acc, {q}, {x};" if i == j == 0 else f"    fma.rn.f16x2 acc, {q}, {x}, acc;")
+    lines += ["    mov.b32 {lo, hi}, acc;", "    cvt.f32.f16 f0, lo;", "    cvt.f32.f16 f1, hi;", "    add.f32 $0, f0, f1;", "}"]
+    return "\n".join(lines)
+
+
+_DOT8_ASM = _dot_asm(1)
+# two words of one column (rows 2i and 2i + 1 share a group: groups are multiples of 16 values)
+_DOT16_ASM = _dot_asm(2)
 
 if HAS_TRITON:
 
@@ -120,6 +101,23 @@ if HAS_TRITON:
         return p04, p15, p26, p37, xs
 
     @triton.jit
+    def _add_scaled(acc, dots, xs, w_row, row_ok, scales_ptr, mins_ptr, k0, N, rn, n_mask,
+                    GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+        """acc + dots * s + xs * (m + 8 s): dots [rows, N] sums of (q - 8) x of word rows w_row (of
+        their group), xs [rows] their sums of x."""
+        if GROUP % BLOCK_K == 0:  # the whole tile is in one group: one scale row
+            g = k0 // GROUP
+            s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
+            m = tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32) + 8.0 * s
+            return acc + dots * s[None, :] + xs[:, None] * m[None, :]
+        else:
+            mask = row_ok[:, None] & n_mask[None, :]
+            offs = ((w_row * 8) // GROUP * N)[:, None] + rn[None, :]
+            s = tl.load(scales_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(mins_ptr + offs, mask=mask, other=0.0).to(tl.float32) + 8.0 * s
+            return acc + dots * s + xs[:, None] * m
+
+    @triton.jit
     def _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
                  GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
         """acc [KW, N] fp32 += one tile's contribution: words [KW, N] hold k = k0 .. k0 + 8 KW."""
@@ -142,18 +140,7 @@ if HAS_TRITON:
             for j in tl.static_range(8):
                 xj = tl.load(x_ptr + w_row * 8 + j, mask=row_ok, other=0.0).to(tl.float32)
                 dots += _nibble(uw, j).to(tl.float32) * xj[:, None]
-        if GROUP % BLOCK_K == 0:  # the whole tile is in one group: one scale row
-            g = k0 // GROUP
-            s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
-            m = tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32) + 8.0 * s
-            return acc + dots * s[None, :] + xs[:, None] * m[None, :]
-        else:
-            mask = row_ok[:, None] & n_mask[None, :]
-            g = (w_row * 8) // GROUP
-            offs = (g * N)[:, None] + rn[None, :]
-            s = tl.load(scales_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            m = tl.load(mins_ptr + offs, mask=mask, other=0.0).to(tl.float32) + 8.0 * s
-            return acc + dots * s + xs[:, None] * m
+        return _add_scaled(acc, dots, xs, w_row, row_ok, scales_ptr, mins_ptr, k0, N, rn, n_mask, GROUP, BLOCK_K)
 
     @triton.jit
     def _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
@@ -183,18 +170,8 @@ if HAS_TRITON:
                 xe = tl.load(x_ptr + row_e * 8 + j, mask=ok_e, other=0.0).to(tl.float32)
                 xo = tl.load(x_ptr + row_e * 8 + 8 + j, mask=ok_o, other=0.0).to(tl.float32)
                 dots += _nibble(ue, j).to(tl.float32) * xe[:, None] + _nibble(uo, j).to(tl.float32) * xo[:, None]
-        xs = xs_e + xs_o
-        if GROUP % (BLOCK_KW * 8) == 0:  # the whole tile is in one group: one scale row
-            g = k0 // GROUP
-            s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
-            m = tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32) + 8.0 * s
-            return acc + dots * s[None, :] + xs[:, None] * m[None, :]
-        else:
-            mask = ok_e[:, None] & n_mask[None, :]
-            offs = ((row_e * 8) // GROUP * N)[:, None] + rn[None, :]
-            s = tl.load(scales_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            m = tl.load(mins_ptr + offs, mask=mask, other=0.0).to(tl.float32) + 8.0 * s
-            return acc + dots * s + xs[:, None] * m
+        return _add_scaled(acc, dots, xs_e + xs_o, row_e, ok_e, scales_ptr, mins_ptr, k0, N, rn, n_mask,
+                           GROUP, BLOCK_KW * 8)
 
     @triton.jit
     def _load_rows(qw_ptr, w_row, k_end, N, rn, n_mask):
