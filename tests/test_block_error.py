@@ -80,7 +80,7 @@ def layer(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, object
 def test_measured_error_is_the_attention_blocks_output_error(layer) -> None:  # type: ignore[no-untyped-def]
     """With the MLP switched off (down_proj = 0) the layer's output is stream + attention block,
     so replacing qkv or o_proj by a candidate's weight and running the whole layer must change
-    its output by exactly the measured error relative to the stream after the block (= after)."""
+    its output by exactly the measured relative error."""
     cfg, lw0, stream, lengths, rotary = layer
     lw = dataclasses.replace(lw0, matrices={**lw0.matrices, UNITS[3]: torch.zeros_like(lw0.matrices[UNITS[3]])})
     cands = [Candidate(((1.0, 2),), 32), Candidate(((1.0, 4),), 64, act_order=False)]
@@ -96,31 +96,33 @@ def test_measured_error_is_the_attention_blocks_output_error(layer) -> None:  # 
         deq = candidate_weights(lw.matrices[unit], hessians[unit], cands, act_order=True)
         for c in range(len(cands)):
             out = run_layer(cfg, lw, stream, lengths, rotary, lambda u, h, w, c=c, unit=unit: deq[c] if u == unit else w)
-            direct = float(((out - after).square().sum(1) / after.square().sum(1)).mean())
+            direct = float(((out - after).square().sum(1) / stream.square().sum(1)).mean())
             assert errors[unit][c] == pytest.approx(direct, rel=1e-3), (unit, cands[c].name)
     for unit in UNITS[:2]:
         assert errors[unit][0] > errors[unit][1] > 0, unit  # 2 bits hurt more than 4
     assert errors[UNITS[2]] == [0.0, 0.0]  # gate_up errors cannot reach the output through down = 0
 
 
-def test_mlp_errors_are_relative_to_the_stream_after_the_mlp(layer) -> None:  # type: ignore[no-untyped-def]
+def test_mlp_errors_are_relative_to_the_stream_entering_the_mlp(layer) -> None:  # type: ignore[no-untyped-def]
     """down_proj's candidate error is linear: the layer output with it replaced differs by
-    exactly the measured error times the power of the stream the MLP's output is added to
-    (the layer's float output), token by token; not the power of the stream entering the MLP."""
+    exactly the measured error times the MLP input stream's power, token by token."""
     cfg, lw, stream, lengths, rotary = layer
     cands = [Candidate(((1.0, 3),), 32), Candidate(((1.0, 8),), 128, act_order=False)]
     errors, after = measure_layer(cfg, lw, stream, lengths, rotary, cands, act_order=True, damp=0.01, max_tokens=10**6)
     hessians: dict[str, torch.Tensor] = {}
+    mlp_in: list[torch.Tensor] = []
 
     def keep(unit: str, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         hessians[unit] = h
         return w
 
     run_layer(cfg, lw, stream, lengths, rotary, keep)
+    no_mlp = dataclasses.replace(lw, matrices={**lw.matrices, UNITS[3]: torch.zeros_like(lw.matrices[UNITS[3]])})
+    mlp_in.append(run_layer(cfg, no_mlp, stream, lengths, rotary, lambda u, h, w: w))  # stream + attention
     deq = candidate_weights(lw.matrices[UNITS[3]], hessians[UNITS[3]], cands, act_order=True)
     for c in range(len(cands)):
         out = run_layer(cfg, lw, stream, lengths, rotary, lambda u, h, w, c=c: deq[c] if u == UNITS[3] else w)
-        direct = float(((out - after).square().sum(1) / after.square().sum(1)).mean())
+        direct = float(((out - after).square().sum(1) / mlp_in[0].square().sum(1)).mean())
         assert errors[UNITS[3]][c] == pytest.approx(direct, rel=1e-3), cands[c].name
     for unit in UNITS:
         assert errors[unit][0] > errors[unit][1] > 0, unit  # 3 bits hurt more than 8

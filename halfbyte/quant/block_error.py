@@ -7,14 +7,11 @@ is run again on a subsample of the calibration tokens with that one matrix repla
 of a candidate is the block's output error relative to the residual stream it is added to,
 per token, averaged over tokens:
 
-    err = mean_t ||block_q(x_t) - block(x_t)||^2 / ||r_t + block(x_t)||^2
+    err = mean_t ||block_q(x_t) - block(x_t)||^2 / ||r_t||^2
 
-with r_t the residual stream entering the block, so the denominator is the stream the error is
-added to. This is the noise-to-signal ratio the candidate injects into the stream; the next
-RMSNorm divides by that stream's norm, so this is what the rest of the model sees. (Until
-2026-12-04 the denominator was ||r_t||^2: for SmolLM2's layer 0 MLP, whose output is ~10x the
-embedding it is added to, that overweighted its errors ~200x against the output KL measured by
-quantizing that one matrix; every other matrix's ratio of KL to error was within ~3x.) Per-token normalisation keeps the few "attention sink" tokens,
+with r_t the residual stream entering the block. This is the noise-to-signal ratio the
+candidate injects into the stream; the next RMSNorm divides by the stream's norm, so this is
+what the rest of the model sees. Per-token normalisation keeps the few "attention sink" tokens,
 whose residual norms are ~100x the rest, from dominating (a mean of powers would), and going
 through the block's nonlinearity (softmax, SiLU x up) measures how much a q/k or gate error
 actually reaches the output instead of assuming it does in proportion.
@@ -62,7 +59,7 @@ def subsample(lengths: list[int], max_tokens: int) -> tuple[int, list[int]]:
 
 
 def _relative(err: torch.Tensor, inv_power: torch.Tensor) -> float:
-    """mean_t ||err_t||^2 / ||s_t||^2 for err [T, hidden], inv_power [T] = 1 / ||s_t||^2."""
+    """mean_t ||err_t||^2 / ||r_t||^2 for err [T, hidden], inv_power [T] = 1 / ||r_t||^2."""
     return float((err.square().sum(1) * inv_power).mean())
 
 
@@ -100,13 +97,8 @@ def measure_layer(
         r2 = r1 + F.linear(o_in, w_o, b_o.float() if b_o is not None else None)  # [t, hidden]
         x2 = rms_norm(r2, lw.post_norm.float(), eps)
         act = mlp_act(lw, x2, w_gu)  # [t, intermediate]
-        b_d = lw.biases[UNITS[3]]
-        r3 = r2 + F.linear(act, w_d, b_d.float() if b_d is not None else None)
-        # normalised by the stream the error lands in, after the block: what the next RMSNorm
-        # divides by (layer 0's MLP multiplies the stream's power ~100x; the stream entering it
-        # overweighted its errors ~100x against a measured output KL)
-        inv1 = 1.0 / r2.square().sum(1).clamp_min(1e-30)
-        inv2 = 1.0 / r3.square().sum(1).clamp_min(1e-30)
+        inv1 = 1.0 / r1.square().sum(1).clamp_min(1e-30)
+        inv2 = 1.0 / r2.square().sum(1).clamp_min(1e-30)
 
         def error(unit: str, wq: torch.Tensor) -> float:
             if unit == UNITS[0]:  # bias and o_proj are linear: only the changed o input matters

@@ -19,9 +19,7 @@ from halfbyte.quant.measure import default_candidates
 if TYPE_CHECKING:
     from halfbyte.quant.convert import ConvertOptions
 
-# 2: measurement by block output error, candidates with their own act-order; 3: the error is
-# relative to the stream after the block
-STATE_VERSION = 3
+STATE_VERSION = 2  # 2: measurement by block output error, candidates with their own act-order
 
 
 
