@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=6)
     ap.add_argument("--no-rtn", action="store_true")
+    ap.add_argument("--no-tune", action="store_true", help="convert without the end-to-end tuning stage")
     ap.add_argument("--json", default="quant_quality.json")
     args = ap.parse_args()
 
@@ -123,12 +124,13 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     budgets = [float(b) for b in args.budgets.split(",")]
+    tune = {"tune_steps": 0} if args.no_tune else {}
     # the first budget first, before anything else is loaded: its time and peak RSS are the converter's
     first = work / f"gptq_{budgets[0]}"
     timing: dict[str, float] = {}
     if not first.exists():
         t0, c0 = time.perf_counter(), _cpu_seconds()
-        convert(model_dir, first, ConvertOptions(bits=budgets[0], measure_cache=work / "measure_cache", show_progress=False))
+        convert(model_dir, first, ConvertOptions(bits=budgets[0], measure_cache=work / "measure_cache", show_progress=False, **tune))
         # CPU time (user + sys, all threads) beside wall time: on a shared machine the wall time
         # is inflated, CPU time / cores estimates the wall time on a quiet one
         timing = {"convert_s": time.perf_counter() - t0, "cpu_s": _cpu_seconds() - c0,
@@ -152,7 +154,7 @@ def main() -> None:
         out = work / f"gptq_{budget}"
         if not out.exists():
             t0 = time.perf_counter()
-            res = convert(model_dir, out, ConvertOptions(bits=budget, measure_cache=work / "measure_cache", show_progress=False))
+            res = convert(model_dir, out, ConvertOptions(bits=budget, measure_cache=work / "measure_cache", show_progress=False, **tune))
             seconds = time.perf_counter() - t0
             bpw = res.bits_per_weight
         else:
