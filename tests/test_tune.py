@@ -150,3 +150,18 @@ def test_bad_tune_steps_is_a_clear_error(tiny: Path, calib: Path, tmp_path: Path
     with pytest.raises(ConversionError, match="tune-steps"):
         convert(tiny, tmp_path / "q", _opts(calib, tune_steps=-1))
     assert not (tmp_path / "q").exists() and not (tmp_path / "q.partial").exists()
+
+
+def test_default_tuning_only_where_it_pays_and_fits(tiny: Path) -> None:
+    """Below 4 bpw for small decoders; never by default for one too large to hold for a backward
+    pass (the converter's one-layer memory bound); --tune-steps overrides both."""
+    from halfbyte.quant.convert import TUNE_MAX_PARAMS, TUNE_STEPS, default_tune_steps
+
+    small = ModelConfig.from_hf(read_json(tiny / "config.json"))
+    assert default_tune_steps(3.25, small) == TUNE_STEPS
+    assert default_tune_steps(4.25, small) == 0
+    big = ModelConfig.from_hf({**read_json(tiny / "config.json"), "num_hidden_layers": 80, "hidden_size": 8192,
+                               "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8})
+    assert 80 * 8192 * 28672 * 3 > TUNE_MAX_PARAMS
+    assert default_tune_steps(2.5, big) == 0
+    assert ConvertOptions(bits=2.5, tune_steps=5).steps() == 5

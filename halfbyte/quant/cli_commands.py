@@ -78,9 +78,11 @@ def add_subcommands(sub: Any) -> None:
                       help="keep calibration and measurements in DIR and reuse them when converting the same model to other budgets")
     conv.add_argument("--tune", action=argparse.BooleanOptionalAction, default=True,
                       help="after quantizing, tune norms, scales and mins end to end on the calibration windows "
-                      "(default: on below 4 bits per weight, where it pays; --no-tune skips it)")
+                      "(default: on below 4 bits per weight for models up to 0.3B decoder weights, where it pays and fits; "
+                      "--no-tune skips it, --tune-steps N forces it)")
     conv.add_argument("--tune-steps", type=_positive_int, default=None, metavar="N",
-                      help="end-to-end tuning steps, one calibration window each (default: 36 below 4 bpw, else 0)")
+                      help="end-to-end tuning steps, one calibration window each (default: 36 below 4 bpw for models up to 0.3B "
+                      "decoder weights, else 0)")
     conv.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     conv.set_defaults(func=_cmd_convert)
 

@@ -16,7 +16,7 @@ activations (the residual stream entering the layer, [tokens, hidden]):
    on KL(float || quantized) of the output logits over the calibration windows. This stage holds
    the whole quantized decoder (q as uint8) and, for the backward pass, fp32 copies of its
    dequantized weights and one window's activations: the only stage that does not stream layer
-   by layer (--no-tune where that matters).
+   by layer, so by default it runs only for decoders up to TUNE_MAX_PARAMS weights.
 
 With measure_cache, the calibration windows and measurements are kept there (keyed by every
 setting except the budget) for conversions of the same model to other budgets.
@@ -27,6 +27,7 @@ itself appears only when complete (written as a temporary directory, then rename
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -68,6 +69,10 @@ _COPIED = ("generation_config.json", "special_tokens_map.json", "chat_template.j
 
 TUNE_STEPS = 36  # three passes over the default 12 self-sampled windows
 TUNE_BELOW = 4.0
+# The tuning stage holds the whole decoder for a backward pass (SmolLM2-135M: peak RSS 1.6 ->
+# 4.2 GiB, ~20 bytes per parameter), so by default it runs only for models small enough that this
+# stays a few GiB; larger ones keep the one-layer-at-a-time memory bound (--tune-steps N forces it).
+TUNE_MAX_PARAMS = 300_000_000
 
 
 class ConversionError(HalfbyteError):
@@ -96,8 +101,9 @@ class ConvertOptions:
     candidates: tuple[Candidate, ...] | None = None  # None: measure.default_candidates(group_size)
     measure_cache: str | Path | None = None  # reuse calibration + measurement across budgets
     # end-to-end tuning of norms, scales and mins after quantization (tune.py): Adam steps over
-    # the calibration windows. None: TUNE_STEPS below TUNE_BELOW bpw, where it was measured to pay
-    # (SmolLM2 3.25 bpw: held-out KL -8%), else none (4.25: -1%, and it costs ~4 minutes)
+    # the calibration windows. None: default_tune_steps (TUNE_STEPS below TUNE_BELOW bpw, where it
+    # was measured to pay: SmolLM2 3.25 bpw held-out KL -8%, 4.25 only -1% for ~4 minutes; and only
+    # for decoders of at most TUNE_MAX_PARAMS weights)
     tune_steps: int | None = None
     tune_lr_norm: float = 1e-3
     tune_lr_scale: float = 2e-4
@@ -118,10 +124,14 @@ class ConvertOptions:
             raise ConversionError(f"--tune-steps must be an integer >= 0, got {self.tune_steps!r}")
 
     def steps(self) -> int:
-        """End-to-end tuning steps for this budget."""
-        if self.tune_steps is not None:
-            return self.tune_steps
-        return TUNE_STEPS if self.bits < TUNE_BELOW else 0
+        """End-to-end tuning steps (convert() resolves the default for the model first)."""
+        return self.tune_steps or 0
+
+
+def default_tune_steps(bits: float, cfg: ModelConfig) -> int:
+    """TUNE_STEPS below TUNE_BELOW bpw for decoders of at most TUNE_MAX_PARAMS weights, else 0."""
+    params = cfg.num_layers * sum(n * k for n, k in _unit_shapes(cfg).values())
+    return TUNE_STEPS if bits < TUNE_BELOW and params <= TUNE_MAX_PARAMS else 0
 
 
 @dataclass
@@ -180,6 +190,8 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
     if "quantization" in hf_cfg:
         raise ConversionError(f"{model_dir} is already quantized; convert its float checkpoint")
     cfg = ModelConfig.from_hf(hf_cfg)
+    if opts.tune_steps is None:
+        opts = dataclasses.replace(opts, tune_steps=default_tune_steps(opts.bits, cfg))
     cands = list(opts.candidates) if opts.candidates else default_candidates(opts.group_size)
     _check_budget(cfg, cands, opts)
     docs = calibration.read_calibration_texts(opts.calib_files) if opts.calib_files else None
