@@ -17,22 +17,11 @@ from halfbyte.quant.convert import ConvertOptions, convert
 from halfbyte.quant.layer_forward import UNITS, TensorSource, read_layer
 from halfbyte.quant.measure import Candidate
 from halfbyte.quant.tune import Layer, TunableModel, _kl, forward_hidden, tune
-from tests.test_convert import CORPUS, _files, _logits, make_model
+# test_convert's tiny model and calibration file fixtures, shared (module scope: built once here)
+from tests.test_convert import CORPUS, _files, _logits, calib, tiny  # noqa: F401
 
 CODED = Candidate(((1.0, 3),), 32, act_order=True, scale_codes=True)
 FP16 = Candidate(((1.0, 3),), 64, act_order=False)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("tiny") / "m")
-
-
-@pytest.fixture(scope="module")
-def calib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    path.write_text(CORPUS)
-    return path
 
 
 def _opts(calib: Path, **kw: object) -> ConvertOptions:

@@ -175,14 +175,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_rows(qw_ptr, w_row, k_end, N, rn, n_mask):
+        """Words of rows w_row x columns rn; rows at or past k_end (and columns past N) read 0, no traffic."""
         mask = (w_row * 8 < k_end)[:, None] & n_mask[None, :]
         return tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=mask, other=0)
 
     @triton.jit
     def _load_words(qw_ptr, k0, k_end, N, rn, n_mask, BLOCK_KW: tl.constexpr):
-        w_row = k0 // 8 + tl.arange(0, BLOCK_KW)
-        mask = (w_row * 8 < k_end)[:, None] & n_mask[None, :]
-        return tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=mask, other=0)
+        """The tile of BLOCK_KW word rows from k0."""
+        return _load_rows(qw_ptr, k0 // 8 + tl.arange(0, BLOCK_KW), k_end, N, rn, n_mask)
 
     @triton.jit
     def _gemv_w4_m1_kernel(

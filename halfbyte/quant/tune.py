@@ -18,12 +18,10 @@ import torch.nn.functional as F
 
 from halfbyte.model.config import ModelConfig
 from halfbyte.model.rope import RotaryEmbedding
+from halfbyte.quant.layer_forward import UNITS
 from halfbyte.quant.packing import unpack
 from halfbyte.quant.qtensor import QuantSlice, QuantWeight
 from halfbyte.quant.scale_codes import _MIN_STEP, ScaleCodes, decode, encode
-
-UNITS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-
 
 class TunableSlice:
     """One slice: q fixed (uint8 [N, width]); trainable fp32 per-column steps (coded) or per-group
