@@ -205,11 +205,11 @@ def main() -> None:
                 cu = lambda x, q, s_, m_, **c: w4_mma.w4_mma(x, q, s_, m_, args.group, **c)  # noqa: E731
                 unit = max(args.group, w4_mma.STEP_K)
                 kpw = [None] + [unit * f for f in (1, 2, 4, 8, 16) if unit * f * w4_mma.WARPS <= 4 * k]
-                cgrid = [dict(k_per_warp=kp, stages=st) for kp in kpw for st in w4_mma.STAGES]
+                cgrid = [dict(k_per_warp=kp, depth=dp) for kp in kpw for dp in w4_mma.DEPTHS]
                 c1, c16 = pick(cu, cgrid, x1, ref1, "cuda"), pick(cu, cgrid, x16, ref16, "cuda")
                 if c1 and c16:
                     plan1 = min(tr["us"] for tr in trials if tr["kernel"] == "cuda" and tr["rows"] == 1
-                                and tr["cfg"] == dict(k_per_warp=None, stages=8))
+                                and tr["cfg"] == dict(k_per_warp=None, depth=4))
                     row.update(cuda_t1_us=c1[1] * 1e6, cuda_cfg1=c1[0], cuda_t1_plan_us=plan1, cuda_t16_us=c16[1] * 1e6,
                                cuda_cfg16=c16[0], cuda_pct_copy=100 * nbytes / c1[1] / 1e9 / copy_gbs,
                                cuda_rel_err=max(c1[2], c16[2]), cuda_registers=w4_mma.registers(x1.device, 1))

@@ -32,10 +32,10 @@ def test_cpu_tensors_are_not_supported() -> None:
 
 
 @needs_gpu
-@pytest.mark.parametrize("stages", w4_mma.STAGES)
+@pytest.mark.parametrize("depth", w4_mma.DEPTHS)
 @pytest.mark.parametrize("m,n,k,group", [(1, 4096, 4096, 128), (1, 960, 576, 32), (1, 576, 1536, 64), (2, 192, 4160, 128),
                                          (5, 320, 2048, 64), (8, 1024, 1024, 128), (9, 128, 576, 32), (16, 6144, 4096, 128)])
-def test_w4_mma(stages: int, m: int, n: int, k: int, group: int) -> None:
+def test_w4_mma(depth: int, m: int, n: int, k: int, group: int) -> None:
     qweight, scales, mins = random_packed(n, k, 4, group, seed=m * 131 + n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)).half().cuda()
     assert w4_mma.supports(x, 4, group, qweight, scales, mins)
@@ -43,11 +43,11 @@ def test_w4_mma(stages: int, m: int, n: int, k: int, group: int) -> None:
     unit = max(group, w4_mma.STEP_K)
     for k_per_warp in (None, unit, 4 * unit):
         out = poison(torch.empty(m, n, dtype=torch.float16, device="cuda"))
-        w4_mma.w4_mma(x, qweight, scales, mins, group, k_per_warp=k_per_warp, stages=stages, out=out)
+        w4_mma.w4_mma(x, qweight, scales, mins, group, k_per_warp=k_per_warp, depth=depth, out=out)
         assert rel_err(out, ref) <= 1e-3, (k_per_warp, rel_err(out, ref))
     # the split-K counters reset themselves: a second call gives the same answer
-    assert torch.equal(w4_mma.w4_mma(x, qweight, scales, mins, group, k_per_warp=unit, stages=stages),
-                       w4_mma.w4_mma(x, qweight, scales, mins, group, k_per_warp=unit, stages=stages))
+    assert torch.equal(w4_mma.w4_mma(x, qweight, scales, mins, group, k_per_warp=unit, depth=depth),
+                       w4_mma.w4_mma(x, qweight, scales, mins, group, k_per_warp=unit, depth=depth))
 
 
 @needs_gpu

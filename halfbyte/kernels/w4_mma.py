@@ -28,7 +28,10 @@ COLS = 64  # columns per block (the .cu file's COLS)
 WARPS = 4  # warps per block, splitting its K range
 STEP_K = 128  # a warp's K range is a whole number of these and of groups
 MAX_ROWS = 16
-STAGES = (8, 16)  # steps of weights in flight per thread: the compiled variants
+DEPTHS = (4, 8)  # steps of weights in flight per thread: the compiled variants
+# programmatic dependent launch: 1 lets the next kernel launch after this one's wait, 2 at once
+# (HALFBYTE_PDL_EARLY=1; being measured)
+_PDL_MODE = 2 if os.environ.get("HALFBYTE_PDL_EARLY") == "1" else 1
 
 
 def _nvcc() -> str | None:
@@ -70,7 +73,7 @@ def _library(major: int, minor: int) -> ctypes.CDLL | None:
         warnings.warn(f"halfbyte: cannot load {path}: {e}; using the Triton kernels", stacklevel=3)
         return None
     vp, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.hb_w4_mma.argtypes = [vp] * 7 + [i32] * 9 + [vp]  # x .. counters, M .. stages, device, stream
+    lib.hb_w4_mma.argtypes = [vp] * 7 + [i32] * 9 + [vp]  # x .. counters, M .. depth, device, stream
     lib.hb_w4_mma.restype = i32
     lib.hb_w4_mma_init.argtypes = [i32]
     lib.hb_w4_mma_init.restype = i32
@@ -143,16 +146,16 @@ def plan(n: int, k: int, group_size: int, sms: int) -> tuple[int, int]:
 
 def w4_mma(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-    k_per_warp: int | None = None, stages: int = 8, out: torch.Tensor | None = None,
+    k_per_warp: int | None = None, depth: int = 4, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M <= 16, K] fp16 -> [M, N] fp16 (fresh, or written into `out`). k_per_warp: override the
-    plan (a multiple of max(group, 128)); stages: 8 or 16 steps of weights in flight per thread."""
+    plan (a multiple of max(group, 128)); depth: 4 or 8 steps of weights in flight per thread."""
     m, k = x.shape
     n = qweight.shape[1]
     if not supports(x, 4, group_size, qweight, scales, mins):
         raise ValueError(f"w4_mma: unsupported call x {tuple(x.shape)} {x.dtype}, N {n}, group {group_size}")
-    if stages not in STAGES:
-        raise ValueError(f"w4_mma: stages must be one of {STAGES}, got {stages}")
+    if depth not in DEPTHS:
+        raise ValueError(f"w4_mma: depth must be one of {DEPTHS}, got {depth}")
     device = x.device
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     split, planned = plan(n, k, group_size, sms)
@@ -169,10 +172,10 @@ def w4_mma(
     index = _index(device)
     lib = _ready(index)
     assert lib is not None
-    pdl = HAS_TRITON and _pdl_on(index)
+    pdl = _PDL_MODE if HAS_TRITON and _pdl_on(index) else 0
     err = lib.hb_w4_mma(
         x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), out.data_ptr(), partial.data_ptr(),
-        counters.data_ptr(), m, n, k, group_size, split, k_per_warp, int(pdl), stages,
+        counters.data_ptr(), m, n, k, group_size, split, k_per_warp, pdl, depth,
         index, torch.cuda.current_stream(device).cuda_stream,
     )
     if err != 0:
@@ -180,7 +183,7 @@ def w4_mma(
     return out
 
 
-def registers(device: torch.device, rows: int, stages: int = 8) -> int:
+def registers(device: torch.device, rows: int, depth: int = 4) -> int:
     """Registers per thread of the kernel instance for `rows` rows (benchmark reports)."""
     lib = _ready(_index(device))
-    return -1 if lib is None else lib.hb_w4_mma_registers(rows, stages)
+    return -1 if lib is None else lib.hb_w4_mma_registers(rows, depth)

@@ -6,9 +6,8 @@
 // - W is mma.sync's A operand straight from the registers of the thread that unpacked it: one
 //   word's four fp16x2 registers are a thread's A-fragment halves for two m16n8k16 products, and
 //   x's pairs are the B fragment (~13 instructions per word instead of ~25);
-// - the weights stream through a per-thread ring in shared memory filled by cp.async, STAGES
-//   steps ahead, so bytes in flight cost no registers; each thread reads back only what it
-//   copied itself, so no barrier is needed.
+// - each thread keeps DEPTH steps of its weights in flight in registers (a ring of 16-byte loads;
+//   a ring in shared memory filled by cp.async measured 1.3-2x slower on the H200).
 //
 // Format (docs/format.md, bits = 4): qweight int32 [K/8, N], value j of a word in bits 4j..4j+3
 // (k = 8r + j); scales, mins fp16 [ceil(K/G), N]; W[n, k] = q s + m. Per group:
@@ -36,14 +35,12 @@ namespace {
 constexpr int WARPS = 4;  // warps per block, each a slice of the block's K range
 constexpr int COLS = 64;  // columns per block
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+__device__ __forceinline__ uint4 load_weights(const uint32_t* p) {  // read once: not kept in L1
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
 }
 
 // the four fp16x2 codes of a word: (0,4) and (2,6) as 1024 + q, (1,5) and (3,7) as 1024 + 16 q
@@ -92,41 +89,38 @@ __device__ __forceinline__ void load_x(const __half* xp, int g, int M, int K, ui
 }
 
 // MT: tiles of 8 x rows (1 for M <= 8, 2 for M <= 16). ONE_ROW: M == 1 (odd mma columns unused).
-// STAGES: steps of weights in flight per thread (STAGES - 1 requested ahead of the one in use).
-template <int MT, bool ONE_ROW, int STAGES>
+// DEPTH: steps of weights in flight per thread.
+template <int MT, bool ONE_ROW, int DEPTH>
 __global__ void __launch_bounds__(WARPS * 32) w4_mma_kernel(
     const __half* __restrict__ x, const uint32_t* __restrict__ qw, const __half* __restrict__ scales,
     const __half* __restrict__ mins, __half* __restrict__ out, float* __restrict__ partial,
     int* __restrict__ counters, int M, int N, int K, int group, int k_per_warp, int pdl) {
-  extern __shared__ uint4 smem[];  // the weight rings, later the block's reduction
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * COLS;
   const int k_first = (blockIdx.y * WARPS + warp) * k_per_warp;
   const int steps = max(0, min(k_per_warp, K - k_first)) / 32;  // K % 32 == 0
 
-  // this thread's ring: slot d holds its two 16-byte pieces of a step
-  uint4* ring = smem + (size_t)(warp * STAGES * 32 + lane) * 2;
+  // pdl 2: let the next kernel launch at once (it still waits for this one to finish before it
+  // touches memory, and this one for its predecessor: the chain stays ordered), so its weight
+  // requests can overlap this kernel's; pdl 1: only after this kernel's wait.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (pdl == 2) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+  // The weights never change: the first DEPTH steps are requested before waiting for the
+  // previous kernel (programmatic dependent launch), so their DRAM trip overlaps its tail.
   const uint32_t* wp = qw + (size_t)(k_first / 8 + t) * N + n0 + 4 * g;
   const size_t step_words = (size_t)4 * N;
-  auto request = [&](int s) {
-    if (s < steps) {
-      const uint32_t* src = wp + (size_t)s * step_words;
-      uint4* dst = ring + (s % STAGES) * 64;
-      cp_async16(dst, src);
-      cp_async16(dst + 1, src + 32);
-    }
-    cp_async_commit();  // empty groups too: the count of groups stays one per step
-  };
-  // The weights never change: the first steps are requested before waiting for the previous
-  // kernel (programmatic dependent launch), so their DRAM trip overlaps its tail.
+  uint4 wa[DEPTH], wb[DEPTH];
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) request(s);
+  for (int d = 0; d < DEPTH; ++d)
+    if (d < steps) {
+      wa[d] = load_weights(wp + d * step_words);
+      wb[d] = load_weights(wp + d * step_words + 32);
+    }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (pdl) {
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  }
+  if (pdl) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (pdl == 1) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 
   float acc[MT][4][4], part[MT][4][4], sums[MT][4];
@@ -148,9 +142,12 @@ __global__ void __launch_bounds__(WARPS * 32) w4_mma_kernel(
   if (steps > 0) load_x<MT>(xp, g, M, K, bx);
   int k = k_first;
 
-  for (int s = 0; s < steps; ++s) {
-    // refill the slot used one step ago (its words are long in registers), then take this one
-    request(s + STAGES - 1);
+  const uint32_t* wnext = wp + DEPTH * step_words;
+  for (int base = 0; base < steps; base += DEPTH) {
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) {
+    const int s = base + d;
+    if (s >= steps) break;  // warp-uniform
     if ((k & group_mask) == 0 || s == 0) {  // this group's scales and mins, used at its end
       const size_t off = (size_t)(k >> group_shift) * N + n0 + 4 * g;
       sa = __ldg(reinterpret_cast<const uint2*>(scales + off));
@@ -158,21 +155,23 @@ __global__ void __launch_bounds__(WARPS * 32) w4_mma_kernel(
       ma = __ldg(reinterpret_cast<const uint2*>(mins + off));
       mb = __ldg(reinterpret_cast<const uint2*>(mins + off + 32));
     }
-    cp_async_wait<STAGES - 1>();
-    const uint4 wa = ring[(s % STAGES) * 64], wb = ring[(s % STAGES) * 64 + 1];
     uint32_t bx_next[MT][4];
     if (s + 1 < steps) load_x<MT>(xp + 32, g, M, K, bx_next);  // one step ahead
-    const uint32_t words_a[4] = {wa.x, wa.y, wa.z, wa.w}, words_b[4] = {wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       uint32_t ha[4], hb[4];
-      unpack(words_a[j], ha);
-      unpack(words_b[j], hb);
+      unpack(j == 0 ? wa[d].x : j == 1 ? wa[d].y : j == 2 ? wa[d].z : wa[d].w, ha);
+      unpack(j == 0 ? wb[d].x : j == 1 ? wb[d].y : j == 2 ? wb[d].z : wb[d].w, hb);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         mma(part[mt][j], ha[0], hb[0], ha[1], hb[1], bx[mt][0], bx[mt][1]);
         mma(part[mt][j], ha[2], hb[2], ha[3], hb[3], bx[mt][2], bx[mt][3]);
       }
+    }
+    // this slot's words are consumed: request the step DEPTH ahead into the same registers
+    if (s + DEPTH < steps) {
+      wa[d] = load_weights(wnext);
+      wb[d] = load_weights(wnext + 32);
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -214,13 +213,13 @@ __global__ void __launch_bounds__(WARPS * 32) w4_mma_kernel(
       for (int i = 0; i < 4; ++i) bx[mt][i] = bx_next[mt][i];
     k += 32;
     xp += 32;
+    wnext += step_words;
+  }
   }
 
-  // the block's warps add their K slices in shared memory (the rings are done)
+  // the block's warps add their K slices in shared memory
   constexpr int ROWS = MT * 8;
-  cp_async_wait<0>();
-  __syncthreads();
-  float(*red)[ROWS][COLS] = reinterpret_cast<float(*)[ROWS][COLS]>(smem);
+  __shared__ float red[WARPS][ROWS][COLS];
   __shared__ int last;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -258,57 +257,46 @@ __global__ void __launch_bounds__(WARPS * 32) w4_mma_kernel(
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
-template <int STAGES>
-constexpr size_t smem_bytes(int mt) {
-  const size_t ring = (size_t)WARPS * STAGES * 32 * 32, red = (size_t)WARPS * mt * 8 * COLS * 4;
-  return ring > red ? ring : red;
-}
-
 using Kernel = void (*)(const __half*, const uint32_t*, const __half*, const __half*, __half*, float*, int*, int, int,
                         int, int, int, int);
 
-template <int STAGES>
+template <int DEPTH>
 Kernel instance(int M) {
-  return M == 1 ? w4_mma_kernel<1, true, STAGES> : M <= 8 ? w4_mma_kernel<1, false, STAGES> : w4_mma_kernel<2, false, STAGES>;
+  return M == 1 ? w4_mma_kernel<1, true, DEPTH> : M <= 8 ? w4_mma_kernel<1, false, DEPTH> : w4_mma_kernel<2, false, DEPTH>;
 }
 
-Kernel pick(int M, int stages) { return stages == 16 ? instance<16>(M) : instance<8>(M); }
-size_t pick_smem(int M, int stages) {
-  const int mt = M <= 8 ? 1 : 2;
-  return stages == 16 ? smem_bytes<16>(mt) : smem_bytes<8>(mt);
-}
+Kernel pick(int M, int depth) { return depth == 8 ? instance<8>(M) : instance<4>(M); }
 
 }  // namespace
 
 extern "C" {
 
 // Loads every kernel instance on the device now (lazy module loading would otherwise do it at the
-// first launch, which may happen inside a CUDA graph capture) and allows their shared memory.
-// Returns a cudaError_t.
+// first launch, which may happen inside a CUDA graph capture). Returns a cudaError_t.
 int hb_w4_mma_init(int device) {
   cudaError_t e = cudaSetDevice(device);
-  for (int stages : {8, 16})
+  cudaFuncAttributes a;
+  for (int depth : {4, 8})
     for (int m : {1, 2, 16})
-      if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(pick(m, stages), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(pick_smem(m, stages)));
+      if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, pick(m, depth));
   return static_cast<int>(e);
 }
 
 // Registers per thread of the instance for M rows (for benchmarks). -1 on error.
-int hb_w4_mma_registers(int M, int stages) {
+int hb_w4_mma_registers(int M, int depth) {
   cudaFuncAttributes a;
-  return cudaFuncGetAttributes(&a, pick(M, stages)) == cudaSuccess ? a.numRegs : -1;
+  return cudaFuncGetAttributes(&a, pick(M, depth)) == cudaSuccess ? a.numRegs : -1;
 }
 
 // y [M, N] fp16 = x [M, K] fp16 @ dequant(W)^T. Preconditions (checked by the caller): 1 <= M <= 16,
 // N % 64 == 0, K % 32 == 0, group a power of two >= 32, k_per_warp a multiple of group and of 32,
 // split * 4 * k_per_warp >= K, x and qweight 16-byte aligned, scales and mins 8-byte aligned;
 // partial holds split * M * N floats when split > 1; counters hold N / 64 zeroed ints (left
-// zeroed). stages: 8 or 16. The launch goes to `stream` on CUDA device `device`. Returns a
+// zeroed). depth: 4 or 8. pdl: 0 off, 1 the next kernel may launch once this one's wait is
+// over, 2 at once. The launch goes to `stream` on CUDA device `device`. Returns a
 // cudaError_t.
 int hb_w4_mma(const void* x, const void* qw, const void* scales, const void* mins, void* out, void* partial,
-              void* counters, int M, int N, int K, int group, int split, int k_per_warp, int pdl, int stages,
+              void* counters, int M, int N, int K, int group, int split, int k_per_warp, int pdl, int depth,
               int device, void* stream) {
   int current = -1;
   if (cudaGetDevice(&current) != cudaSuccess || current != device) {
@@ -318,14 +306,13 @@ int hb_w4_mma(const void* x, const void* qw, const void* scales, const void* min
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(N / COLS, split);
   cfg.blockDim = dim3(WARPS * 32);
-  cfg.dynamicSmemBytes = pick_smem(M, stages);
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, pick(M, stages), static_cast<const __half*>(x),
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, pick(M, depth), static_cast<const __half*>(x),
                                              static_cast<const uint32_t*>(qw), static_cast<const __half*>(scales),
                                              static_cast<const __half*>(mins), static_cast<__half*>(out),
                                              static_cast<float*>(partial), static_cast<int*>(counters), M, N, K,
