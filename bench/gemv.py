@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from halfbyte.kernels import gemm_w4, gemv_w4, w4_mma  # noqa: E402
+from halfbyte.kernels import gemm_w4, gemv_w4  # noqa: E402
 from halfbyte.kernels.quant_gemv import gemv_triton  # noqa: E402
 from halfbyte.kernels.quant_matmul import quant_matmul_ref, quant_matmul_triton  # noqa: E402
 
@@ -113,9 +113,6 @@ def main() -> None:
                     help="sweep only gemv_w4's one-row settings, including tiles of one group (block_kw 8, 16)")
     ap.add_argument("--pairs", action="store_true", help="one row: gemv_w4 with pair_rows beside the default, same call")
     ap.add_argument("--sweep-b16", action="store_true", help="sweep only the 16-row gemm_w4 settings, with K splits")
-    ap.add_argument("--cuda", action="store_true",
-                    help="the CUDA tensor-core kernel (w4_mma) at 1 and 16 rows beside the Triton ones, same call, "
-                         "over its K ranges per warp and ring depths")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -201,18 +198,6 @@ def main() -> None:
             split16, split64 = gemm_w4.x_split_default(n, k, 16), gemm_w4.x_split_default(n, k, 64)
             alt16 = pick(mma, [{**cfg16, "x_split": not split16}], x16, ref16)
             alt64 = pick(mma, [{**cfg64, "x_split": not split64}], x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
-            if args.cuda and w4_mma.supports(x1, 4, args.group, qw, sc, mn):
-                cu = lambda x, q, s_, m_, **c: w4_mma.w4_mma(x, q, s_, m_, args.group, **c)  # noqa: E731
-                unit = max(args.group, w4_mma.STEP_K)
-                kpw = [None] + [unit * f for f in (1, 2, 4, 8, 16) if unit * f * w4_mma.WARPS <= 4 * k]
-                cgrid = [dict(k_per_warp=kp, depth=dp) for kp in kpw for dp in w4_mma.DEPTHS]
-                c1, c16 = pick(cu, cgrid, x1, ref1, "cuda"), pick(cu, cgrid, x16, ref16, "cuda")
-                if c1 and c16:
-                    plan1 = min(tr["us"] for tr in trials if tr["kernel"] == "cuda" and tr["rows"] == 1
-                                and tr["cfg"] == dict(k_per_warp=None, depth=4))
-                    row.update(cuda_t1_us=c1[1] * 1e6, cuda_cfg1=c1[0], cuda_t1_plan_us=plan1, cuda_t16_us=c16[1] * 1e6,
-                               cuda_cfg16=c16[0], cuda_pct_copy=100 * nbytes / c1[1] / 1e9 / copy_gbs,
-                               cuda_rel_err=max(c1[2], c16[2]), cuda_registers=w4_mma.registers(x1.device, 1))
             row.update(x_split16=split16, x_split64=split64, w4_t16_other_us=alt16[1] * 1e6 if alt16 else None,
                        w4_t64_other_us=alt64[1] * 1e6 if alt64 else None)
             row.update(w4_t1_us=w1 * 1e6, w4_pct_copy=100 * nbytes / w1 / 1e9 / copy_gbs,
@@ -243,15 +228,6 @@ def main() -> None:
             plain = min((tr for tr in one if not tr["cfg"].get("pair_rows")), key=lambda tr: tr["us"])
             paired = min((tr for tr in one if tr["cfg"].get("pair_rows")), key=lambda tr: tr["us"])
             print(f"{r['shape']:<12} b1 default {plain['us']:.1f} us, pair_rows {paired['us']:.1f} us {paired['cfg']}")
-    if args.cuda:
-        print(f"\nCUDA w4_mma (best of its K ranges / variants) vs Triton (gemv_w4 b1, gemm_w4 b16), same call:")
-        print(f"{'shape':<12}{'triton b1':>10}{'cuda b1':>9}{'plan b1':>9}{'%copy':>7}{'triton b16':>11}{'cuda b16':>10}"
-              f"{'b16/b1':>8}  best b1 | b16")
-        for r in rows:
-            if "cuda_t1_us" in r:
-                print(f"{r['shape']:<12}{r['w4_t1_us']:>10.1f}{r['cuda_t1_us']:>9.1f}{r['cuda_t1_plan_us']:>9.1f}"
-                      f"{r['cuda_pct_copy']:>7.1f}{r['w4_t16_us']:>11.1f}{r['cuda_t16_us']:>10.1f}"
-                      f"{r['cuda_t16_us'] / r['cuda_t1_us']:>8.2f}  {r['cuda_cfg1']} | {r['cuda_cfg16']}")
     print("gemm_w4, x split in the kernel (S) or permuted (P), default -> the other, same configs: " + ", ".join(
         f"{r['shape']} b16 {'SP'[not r['x_split16']]} {r['w4_t16_us']:.1f}->{r['w4_t16_other_us'] or float('nan'):.1f} "
         f"b64 {'SP'[not r['x_split64']]} {r['w4_t64_us']:.1f}->{r['w4_t64_other_us'] or float('nan'):.1f} us"

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from halfbyte.kernels import gemm_w4, gemv_w4, w4_mma
+from halfbyte.kernels import gemm_w4, gemv_w4
 from halfbyte.kernels.dispatch import use_triton
 from halfbyte.kernels.quant_gemv import gemv_triton
 from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
@@ -150,15 +150,12 @@ def quant_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int
 ) -> torch.Tensor:
     """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype (fp32 accumulation): the weight-streaming
-    kernel for decode-sized M (at 4 bits Triton's fp16x2 forms, or with HALFBYTE_W4_KERNEL=cuda the
-    CUDA tensor-core kernel w4_mma for 1-16 rows where it builds; =generic compares against the
-    generic kernel), at 4 bits tensor cores for 2-64 rows (gemm_w4), tiles for
+    kernel for decode-sized M (its fp16x2 4-bit form where it applies; HALFBYTE_W4_KERNEL=generic
+    compares against the generic one), at 4 bits tensor cores for 2-64 rows (gemm_w4), tiles for
     mid-sized M, dequantize + cuBLAS for prefill."""
     if use_triton(x):
         m = x.shape[0]
         if os.environ.get("HALFBYTE_W4_KERNEL") != "generic":
-            if w4_mma.chosen() and w4_mma.supports(x, bits, group_size, qweight, scales, mins):
-                return w4_mma.w4_mma(x, qweight, scales, mins, group_size)
             if gemv_w4.supports(x, bits, group_size):
                 return gemv_w4.gemv_w4(x, qweight, scales, mins, group_size)
             if gemm_w4.supports(x, bits, group_size):
