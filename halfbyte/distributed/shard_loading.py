@@ -27,6 +27,7 @@ from halfbyte.model.weights import load_hf_weights
 from halfbyte.quant.packing import BLOCK_K
 from halfbyte.quant.qtensor import QuantSlice, QuantWeight
 from halfbyte.quant.scale_codes import ScaleCodes
+from halfbyte.quant.table_codes import TableCodes, unpack_indices
 
 Range = tuple[int, int]
 _LAYER = re.compile(r"^model\.layers\.\d+\.(.+?)\.(weight|bias)$")
@@ -110,9 +111,29 @@ def _codes(reader: ShardReader, prefix: str, i: int, s: dict[str, Any], out: lis
     return ScaleCodes(*(reader.rows(n, out) if out is not None else reader.rows(n) for n in names))
 
 
+def _table_values(reader: ShardReader, prefix: str, i: int, s: dict[str, Any], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A table-coded slice's decoded fp16 scales and mins [G, N], all columns (the packed indices
+    are one bitstream; they are small beside the weights)."""
+    where = f"{prefix} slice {i}"
+    groups = -(-(s["k_end"] - s["k_start"]) // s["group_size"])
+    si, mi = unpack_indices(reader.rows(f"{prefix}.codes.{i}"), groups, n, s["scale_bits"], s["min_bits"], where)
+    codes = TableCodes(s["scale_bits"], s["min_bits"], reader.rows(f"{prefix}.scale_base.{i}"),
+                       reader.rows(f"{prefix}.scale_table.{i}"), reader.rows(f"{prefix}.min_table.{i}"), si, mi)
+    codes.validate(groups, n, where)
+    return codes.decode()
+
+
 def _column_quant(reader: ShardReader, prefix: str, meta: dict[str, Any], out: list[Range]) -> QuantWeight:
     slices = []
     for i, s in enumerate(meta["slices"]):
+        if s.get("scale_codes") == "table":  # decoded whole, then this rank's columns as fp16
+            scales, mins = _table_values(reader, prefix, i, s, meta["out_features"])
+            cols = torch.cat([torch.arange(a, b) for a, b in out])
+            slices.append(QuantSlice.from_stored(
+                s["k_start"], s["k_end"], s["bits"], s["group_size"], reader.cols(f"{prefix}.qweight.{i}", out),
+                scales[:, cols].contiguous(), mins[:, cols].contiguous(), None, prefix,
+            ))
+            continue
         codes = _codes(reader, prefix, i, s, out)
         slices.append(QuantSlice.from_stored(
             s["k_start"], s["k_end"], s["bits"], s["group_size"],
@@ -135,6 +156,14 @@ def _row_quant(reader: ShardReader, prefix: str, meta: dict[str, Any], k_range: 
         bits, gs, base = s["bits"], s["group_size"], s["k_start"]
         words = [((a - base) // BLOCK_K * bits, (b - base) // BLOCK_K * bits)]
         groups = [((a - base) // gs, -(-(b - base) // gs))]
+        if s.get("scale_codes") == "table":
+            scales, mins = _table_values(reader, prefix, i, s, meta["out_features"])
+            g0, g1 = groups[0]
+            slices.append(QuantSlice.from_stored(
+                a - k0, b - k0, bits, gs, reader.rows(f"{prefix}.qweight.{i}", words),
+                scales[g0:g1].contiguous(), mins[g0:g1].contiguous(), None, prefix,
+            ))
+            continue
         slices.append(QuantSlice.from_stored(
             a - k0, b - k0, bits, gs,
             reader.rows(f"{prefix}.qweight.{i}", words),

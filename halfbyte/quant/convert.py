@@ -417,7 +417,8 @@ def _meta_storage_bits(meta: dict[str, Any]) -> int:
     n = meta["out_features"]
     total = 32 * meta["in_features"] if meta["act_order"] else 0
     for s in meta["slices"]:
-        total += slice_storage_bits(s["k_end"] - s["k_start"], s["bits"], s["group_size"], n, bool(s.get("scale_codes")))
+        coded = (s["scale_bits"], s["min_bits"]) if s.get("scale_codes") == "table" else bool(s.get("scale_codes"))
+        total += slice_storage_bits(s["k_end"] - s["k_start"], s["bits"], s["group_size"], n, coded)
     return total
 
 

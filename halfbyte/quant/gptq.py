@@ -16,6 +16,7 @@ from halfbyte.quant.packing import BLOCK_K, check_bits
 from halfbyte.quant.qtensor import QuantSlice, QuantWeight
 from halfbyte.quant.rtn import check_group_size, dequantize_values, group_params, quantize_values
 from halfbyte.quant.scale_codes import grid_steps, snap
+from halfbyte.quant.table_codes import TableCodes, choose, fit_tables
 
 _DAMP_RETRIES = 4  # each retry multiplies the damping by 10
 
@@ -89,7 +90,7 @@ def gptq_quantize(
     act_order: bool = False,
     symmetric: bool = False,
     clip_search: bool = False,
-    scale_codes: bool = False,
+    scale_codes: bool | tuple[int, int] = False,
     order_block: int = 1,
 ) -> tuple[QuantWeight, float]:
     """Quantize w [N, K] given H [K, K] = 2 X^T X / n.
@@ -100,8 +101,10 @@ def gptq_quantize(
     output error summed over output features. clip_search: rtn.group_params's search for a
     clipped grid per group (asymmetric only). scale_codes: store scales and mins as 8-bit codes
     (scale_codes.py); each group's grid is snapped to the nearest coded one before its columns
-    are quantized, so GPTQ compensates the snapping too. order_block: act-order moves blocks of
-    this many columns (activation_order).
+    are quantized, so GPTQ compensates the snapping too; (scale_bits, min_bits): table codes
+    (table_codes.py), tables fitted to the weight's min-max grids, each group's grid chosen
+    among the coded ones by its rounding error (weighted by the input energies). order_block:
+    act-order moves blocks of this many columns (activation_order).
     """
     check_bits(bits)
     if w.dim() != 2:
@@ -136,7 +139,13 @@ def gptq_quantize(
 
     hinv = _inverse_cholesky_upper(h, damp)  # [K, K] upper
     hdiag = torch.diag(h)  # [K] input energies, stored order
-    codes = grid_steps(weight, bits, group_size) if scale_codes else None
+    table = isinstance(scale_codes, tuple)
+    codes = grid_steps(weight, bits, group_size) if scale_codes and not table else None
+    if table:
+        base, scale_table, min_table = fit_tables(weight, bits, group_size, *scale_codes)  # type: ignore[misc]
+        g_count = math.ceil(k / group_size)
+        scale_index = torch.empty(g_count, n, dtype=torch.uint8)
+        min_index = torch.empty(g_count, n, dtype=torch.uint8)
 
     num_groups = math.ceil(k / group_size)
     q = torch.empty(n, k, dtype=torch.int32, device=w.device)
@@ -157,7 +166,11 @@ def gptq_quantize(
                 cols = block[:, i : min(g_end, b1) - b0]
                 if g_end > b1:
                     cols = torch.cat([cols, weight[:, b1:g_end]], dim=1)
-                scale, mn = group_params(cols, bits, symmetric, clip_search, hdiag[col:g_end] if clip_search else None)
+                if table:
+                    scale, mn, si, mi = choose(cols, base, scale_table, min_table, (1 << bits) - 1, hdiag[col:g_end])
+                    scale_index[col // group_size], min_index[col // group_size] = si.to(torch.uint8), mi.to(torch.uint8)
+                else:
+                    scale, mn = group_params(cols, bits, symmetric, clip_search, hdiag[col:g_end] if clip_search else None)
                 if codes is not None:
                     scale, mn = snap(scale, mn, codes)
                 scales[col // group_size], mins[col // group_size] = scale, mn
@@ -169,7 +182,8 @@ def gptq_quantize(
             err[:, i] = e
         weight[:, b1:] -= err @ hinv[b0:b1, b1:]
 
-    slice_ = QuantSlice.from_values(0, bits, group_size, q, scales.half(), mins.half(), codes)
+    all_codes = TableCodes(scale_codes[0], scale_codes[1], base, scale_table, min_table, scale_index, min_index) if table else codes  # type: ignore[index]
+    slice_ = QuantSlice.from_values(0, bits, group_size, q, scales.half(), mins.half(), all_codes)
     qw = QuantWeight(n, k, [slice_], perm.to(torch.int32) if perm is not None else None)
 
     delta = w.float() - qw.dequantize()  # [N, K] in original order, like h_orig

@@ -23,9 +23,10 @@ import torch
 from halfbyte.errors import QuantizationError
 from halfbyte.quant.gptq import _inverse_cholesky_upper, activation_order, gptq_quantize
 from halfbyte.quant.packing import BLOCK_K, SUPPORTED_BITS
-from halfbyte.quant.qtensor import QuantSlice, QuantWeight, slice_storage_bits
+from halfbyte.quant.qtensor import CodeSpec, QuantSlice, QuantWeight, slice_storage_bits
 from halfbyte.quant.rtn import group_params
 from halfbyte.quant.scale_codes import ScaleCodes, grid_steps, snap
+from halfbyte.quant.table_codes import choose, fit_tables
 
 PER_CHANNEL = 0  # group_size 0 in a Candidate: one group per slice (the slice width)
 
@@ -46,6 +47,13 @@ class Candidate:
     # act-order moves blocks of this many columns (gptq.activation_order): 32 keeps groups of 32
     # whole, so a slice holding a group keeps a grid the weight already sits on
     order_block: int = 1
+    # (scale_bits, min_bits): scales and mins as table codes (table_codes.py) instead
+    table: tuple[int, int] | None = None
+
+    @property
+    def codes(self) -> CodeSpec:
+        """How the candidate's slices store scales and mins (qtensor.CodeSpec)."""
+        return self.table if self.table is not None else self.scale_codes
 
     def uses_act_order(self, allowed: bool) -> bool:
         return allowed and self.act_order
@@ -59,6 +67,7 @@ class Candidate:
         g = "pc" if self.group_size == PER_CHANNEL else f"g{self.group_size}"
         g += "" if self.act_order else " seq"
         g += " c8" if self.scale_codes else ""
+        g += f" t{self.table[0]}{self.table[1]}" if self.table is not None else ""
         g += f" ob{self.order_block}" if self.order_block != 1 else ""
         if len(self.parts) == 1:
             return f"{self.parts[0][1]}b {g}"
@@ -89,14 +98,18 @@ class Candidate:
             out["scale_codes"] = True
         if self.order_block != 1:
             out["order_block"] = self.order_block
+        if self.table is not None:
+            out["table"] = list(self.table)
         return out
 
     @classmethod
     def from_json(cls, d: dict[str, object]) -> Candidate:
         parts = tuple((float(f), int(b)) for f, b in d["parts"])  # type: ignore[union-attr]
+        table = d.get("table")
         return cls(parts, int(d["group_size"]),  # type: ignore[call-overload]
                    bool(d.get("act_order", True)), bool(d.get("scale_codes", False)),
-                   int(d.get("order_block", 1)))  # type: ignore[call-overload]
+                   int(d.get("order_block", 1)),  # type: ignore[call-overload]
+                   (int(table[0]), int(table[1])) if table is not None else None)  # type: ignore[index]
 
 
 def default_candidates(group_size: int | None = None) -> list[Candidate]:
@@ -126,6 +139,10 @@ def default_candidates(group_size: int | None = None) -> list[Candidate]:
     if 32 in groups:
         for hi_frac, hi, lo in ((0.75, 4, 3), (0.5, 4, 3), (0.25, 4, 3), (0.5, 3, 2)):
             cands.append(Candidate(((hi_frac, hi), (1 - hi_frac, lo)), 32, scale_codes=True, order_block=32))
+        # table codes at group 32 (8-10 bits per group, table_codes.py): 4 bits in column order
+        # holds a 4-bit group-32 grid closely at ~4.27-4.33 bpw; 3 bits with act-order
+        cands += [Candidate(((1.0, 4),), 32, act_order=False, table=t) for t in ((4, 4), (4, 5), (4, 6))]
+        cands.append(Candidate(((1.0, 3),), 32, table=(4, 4)))
     return cands
 
 
@@ -134,7 +151,7 @@ def storage_bits(cand: Candidate, n: int, k: int, act_order: bool) -> int:
     act_order: whether the conversion allows act-order."""
     total = 32 * k if cand.uses_act_order(act_order) else 0
     for k0, k1, bits, gs in cand.slices(k):
-        total += slice_storage_bits(k1 - k0, bits, gs, n, cand.scale_codes)
+        total += slice_storage_bits(k1 - k0, bits, gs, n, cand.codes)
     return total
 
 
@@ -168,14 +185,18 @@ def _sweep(
     maxq = torch.empty(c, k)
     group_end = [dict[int, int]() for _ in range(c)]
     group_codes = [dict[int, ScaleCodes]() for _ in range(c)]  # coded candidates: the slice's steps
+    group_tables = [dict[int, tuple[torch.Tensor, ...]]() for _ in range(c)]  # table-coded: the slice's tables
     for ci, cand in enumerate(candidates):
         for k0, k1, bits, gs in cand.slices(k):
             maxq[ci, k0:k1] = (1 << bits) - 1
             codes = grid_steps(weight[:, k0:k1], bits, gs) if cand.scale_codes else None
+            tables = fit_tables(weight[:, k0:k1], bits, gs, *cand.table) if cand.table is not None else None
             for g0 in range(k0, k1, gs):
                 group_end[ci][g0] = min(g0 + gs, k1)
                 if codes is not None:
                     group_codes[ci][g0] = codes
+                if tables is not None:
+                    group_tables[ci][g0] = tables
     starts: dict[int, list[int]] = {}
     for ci in range(c):
         for col in group_end[ci]:
@@ -200,6 +221,9 @@ def _sweep(
                 if g_end > b1:
                     cols = torch.cat([cols, wc[ci, b1:g_end]], dim=0)
                 bits = int(maxq[ci, col]).bit_length()
+                if col in group_tables[ci]:
+                    scale[ci], mn[ci], _, _ = choose(cols.t(), *group_tables[ci][col], (1 << bits) - 1, hdiag[col:g_end])
+                    continue
                 scale[ci], mn[ci] = group_params(cols.t(), bits, False, clip_search, hdiag[col:g_end] if clip_search else None)
                 if col in group_codes[ci]:
                     scale[ci], mn[ci] = snap(scale[ci], mn[ci], group_codes[ci][col])
@@ -301,7 +325,7 @@ def quantize_candidate(
     if len(spec) == 1:
         _, _, bits, gs = spec[0]
         return gptq_quantize(w, hessian, bits, gs, damp=damp, act_order=act_order, clip_search=clip_search,
-                             scale_codes=cand.scale_codes, order_block=cand.order_block)
+                             scale_codes=cand.codes, order_block=cand.order_block)
     weight, h, perm = _prepare(w, hessian, act_order, cand.order_block)
     # one absolute damping for every slice, as a single sweep over H + lam * I would apply
     lam = damp * float(torch.diag(h).mean())
@@ -315,7 +339,7 @@ def quantize_candidate(
             h_ss = (h_ss + h_ss.t()) / 2
         slice_damp = lam / max(float(torch.diag(h_ss).mean()), 1e-30)
         qw, _ = gptq_quantize(weight[:, k0:k1], h_ss, bits, gs, damp=slice_damp, clip_search=clip_search,
-                              scale_codes=cand.scale_codes)
+                              scale_codes=cand.codes)
         s = qw.slices[0]
         slices.append(QuantSlice(k0, k1, bits, gs, s.qweight, s.scales, s.mins, s.codes))
         if k1 < k:

@@ -15,17 +15,30 @@ import torch
 from halfbyte.errors import QuantizationError
 from halfbyte.quant.packing import BLOCK_K, check_bits, pack, packed_rows, unpack
 from halfbyte.quant.scale_codes import ScaleCodes, check_codes, decode, encode
+from halfbyte.quant.table_codes import TableCodes, check_index_bits, pack_indices, table_storage_bits, unpack_indices
+
+# how a slice stores its scales and mins: False fp16, True 8-bit codes (scale_codes.py),
+# (scale_bits, min_bits) table codes (table_codes.py)
+CodeSpec = bool | tuple[int, int]
 
 ALLOWED_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 FORMAT_VERSION = 1
 
 
-def slice_storage_bits(width: int, bits: int, group_size: int, n: int, coded: bool) -> int:
+def slice_storage_bits(width: int, bits: int, group_size: int, n: int, coded: CodeSpec) -> int:
     """Stored bits of one slice (docs/format.md's accounting), from its shape alone: packed
-    values, then per group an fp16 scale and min (32 bits) or their 8-bit codes (16 bits) plus
-    two fp16 steps per column."""
+    values, then per group an fp16 scale and min (32 bits), or their 8-bit codes (16 bits) plus
+    two fp16 steps per column, or table indices (table_codes.table_storage_bits)."""
     groups = math.ceil(width / group_size)
+    if isinstance(coded, tuple):
+        return width * bits * n + table_storage_bits(groups, n, *coded)
     return width * bits * n + (16 * groups * n + 32 * n if coded else 32 * groups * n)
+
+
+def code_spec(codes: ScaleCodes | TableCodes | None) -> CodeSpec:
+    if isinstance(codes, TableCodes):
+        return (codes.scale_bits, codes.min_bits)
+    return codes is not None
 
 
 @dataclass
@@ -42,9 +55,9 @@ class QuantSlice:
     qweight: torch.Tensor  # int32 [(k_end - k_start) / 32 * bits, N]
     scales: torch.Tensor  # float16 [num_groups, N]
     mins: torch.Tensor  # float16 [num_groups, N]
-    # stored as 8-bit codes with per-column steps (scale_codes.py); scales and mins above are
-    # their decoded values either way
-    codes: ScaleCodes | None = None
+    # stored as 8-bit codes with per-column steps (scale_codes.py) or as table codes
+    # (table_codes.py); scales and mins above are their decoded values either way
+    codes: ScaleCodes | TableCodes | None = None
 
     @property
     def width(self) -> int:
@@ -57,7 +70,7 @@ class QuantSlice:
     @classmethod
     def from_values(
         cls, k_start: int, bits: int, group_size: int, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-        codes: ScaleCodes | None = None,
+        codes: ScaleCodes | TableCodes | None = None,
     ) -> QuantSlice:
         """Pack q [N, width] with its fp16 scales/mins [num_groups, N]."""
         return cls(k_start, k_start + q.shape[1], bits, group_size, pack(q, bits), scales, mins, codes)
@@ -89,7 +102,12 @@ class QuantSlice:
                 raise QuantizationError(
                     f"{where}: {name} must be float16 {list(expect_s)}, got {t.dtype} {list(t.shape)}"
                 )
-        if self.codes is not None:
+        if isinstance(self.codes, TableCodes):
+            self.codes.validate(self.num_groups, out_features, where)
+            scales, mins = self.codes.decode()
+            if not (torch.equal(scales, self.scales) and torch.equal(mins, self.mins)):
+                raise QuantizationError(f"{where}: scales or mins differ from their table codes")
+        elif self.codes is not None:
             check_codes(self.codes, out_features, where)
             encode(self.scales, self.mins, self.codes, where)  # raises unless exactly coded
 
@@ -100,11 +118,13 @@ class QuantSlice:
         return q * self.scales.float().t()[:, group] + self.mins.float().t()[:, group]
 
     def storage_bits(self) -> int:
-        return slice_storage_bits(self.width, self.bits, self.group_size, self.scales.shape[1], self.codes is not None)
+        return slice_storage_bits(self.width, self.bits, self.group_size, self.scales.shape[1], code_spec(self.codes))
 
     def meta(self) -> dict[str, int]:
         out = {"k_start": self.k_start, "k_end": self.k_end, "bits": self.bits, "group_size": self.group_size}
-        if self.codes is not None:
+        if isinstance(self.codes, TableCodes):
+            out.update(scale_codes="table", scale_bits=self.codes.scale_bits, min_bits=self.codes.min_bits)  # type: ignore[arg-type]
+        elif self.codes is not None:
             out["scale_codes"] = 8
         return out
 
@@ -126,6 +146,23 @@ class QuantSlice:
         check_codes(codes, scales.shape[-1], where)
         fp_scales, fp_mins = decode(scales, mins, codes)
         return cls(k_start, k_end, bits, group_size, qweight, fp_scales, fp_mins, codes)
+
+    @classmethod
+    def from_table(
+        cls, k_start: int, k_end: int, bits: int, group_size: int, qweight: torch.Tensor, packed: torch.Tensor,
+        scale_base: torch.Tensor, scale_table: torch.Tensor, min_table: torch.Tensor, scale_bits: int, min_bits: int,
+        where: str,
+    ) -> QuantSlice:
+        """A table-coded slice from its stored tensors (packed indices, base, tables)."""
+        check_index_bits(scale_bits, min_bits, where)
+        if k_end <= k_start or group_size <= 0 or scale_base.dim() != 1:
+            raise QuantizationError(f"{where}: bad k range, group size or scale_base shape")
+        groups, n = math.ceil((k_end - k_start) / group_size), scale_base.shape[0]
+        si, mi = unpack_indices(packed, groups, n, scale_bits, min_bits, where)
+        codes = TableCodes(scale_bits, min_bits, scale_base, scale_table, min_table, si, mi)
+        codes.validate(groups, n, where)
+        scales, mins = codes.decode()
+        return cls(k_start, k_end, bits, group_size, qweight, scales, mins, codes)
 
 
 @dataclass
@@ -211,7 +248,13 @@ class QuantWeight:
         out: dict[str, torch.Tensor] = {}
         for i, s in enumerate(self.slices):
             out[f"{prefix}.qweight.{i}"] = s.qweight
-            if s.codes is not None:
+            if isinstance(s.codes, TableCodes):
+                c = s.codes
+                out[f"{prefix}.codes.{i}"] = pack_indices(c.scale_index, c.min_index, c.scale_bits, c.min_bits)
+                out[f"{prefix}.scale_base.{i}"] = c.scale_base
+                out[f"{prefix}.scale_table.{i}"] = c.scale_table
+                out[f"{prefix}.min_table.{i}"] = c.min_table
+            elif s.codes is not None:
                 out[f"{prefix}.scales.{i}"], out[f"{prefix}.mins.{i}"] = encode(s.scales, s.mins, s.codes, prefix)
                 out[f"{prefix}.scale_step.{i}"] = s.codes.scale_step
                 out[f"{prefix}.min_step.{i}"] = s.codes.min_step
@@ -256,9 +299,19 @@ class QuantWeight:
             if not isinstance(sm, dict):
                 raise QuantizationError(f"{where}: metadata must be an object")
             codes = None
+            if sm.get("scale_codes") == "table":
+                slices.append(
+                    QuantSlice.from_table(
+                        _meta_int(sm, "k_start", where), _meta_int(sm, "k_end", where), _meta_int(sm, "bits", where),
+                        _meta_int(sm, "group_size", where), get(f"{prefix}.qweight.{i}"), get(f"{prefix}.codes.{i}"),
+                        get(f"{prefix}.scale_base.{i}"), get(f"{prefix}.scale_table.{i}"), get(f"{prefix}.min_table.{i}"),
+                        _meta_int(sm, "scale_bits", where), _meta_int(sm, "min_bits", where), where,
+                    )
+                )
+                continue
             if "scale_codes" in sm:
                 if sm["scale_codes"] != 8:
-                    raise QuantizationError(f"{where}: scale_codes must be 8, got {sm['scale_codes']!r}")
+                    raise QuantizationError(f"{where}: scale_codes must be 8 or \"table\", got {sm['scale_codes']!r}")
                 codes = ScaleCodes(get(f"{prefix}.scale_step.{i}"), get(f"{prefix}.min_step.{i}"))
             slices.append(
                 QuantSlice.from_stored(
@@ -320,8 +373,23 @@ def concat_out(weights: list[QuantWeight]) -> QuantWeight:
                 torch.cat([p.qweight for p in parts], dim=1),
                 torch.cat([p.scales for p in parts], dim=1),
                 torch.cat([p.mins for p in parts], dim=1),
-                ScaleCodes.cat(codes) if codes else None,
+                _cat_codes(codes) if codes else None,
             )
         )
     out_features = sum(w.out_features for w in weights)
     return QuantWeight(out_features, first.in_features, slices, first.perm)
+
+
+def _cat_codes(codes: list[ScaleCodes | TableCodes]) -> ScaleCodes | TableCodes:
+    """The codes of slices fused along N: 8-bit steps concatenate; table codes only when every
+    part has the same tables (they are per slice)."""
+    if not isinstance(codes[0], TableCodes):
+        return ScaleCodes.cat(codes)  # type: ignore[arg-type]
+    first = codes[0]
+    for c in codes[1:]:
+        assert isinstance(c, TableCodes)
+        if not (torch.equal(c.scale_table, first.scale_table) and torch.equal(c.min_table, first.min_table)):
+            raise QuantizationError("concat_out: table-coded slices with different tables cannot be fused")
+    tcs = [c for c in codes if isinstance(c, TableCodes)]
+    return TableCodes(first.scale_bits, first.min_bits, torch.cat([c.scale_base for c in tcs]), first.scale_table,
+                      first.min_table, torch.cat([c.scale_index for c in tcs], dim=1), torch.cat([c.min_index for c in tcs], dim=1))

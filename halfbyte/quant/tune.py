@@ -22,6 +22,7 @@ from halfbyte.quant.layer_forward import UNITS
 from halfbyte.quant.packing import unpack
 from halfbyte.quant.qtensor import QuantSlice, QuantWeight
 from halfbyte.quant.scale_codes import _MIN_STEP, ScaleCodes, decode, encode
+from halfbyte.quant.table_codes import TableCodes
 
 class TunableSlice:
     """One slice: q fixed (uint8 [N, width]); trainable fp32 per-column steps (coded) or per-group
@@ -31,7 +32,11 @@ class TunableSlice:
         self.s = s
         self.q = unpack(s.qweight, s.bits, s.width).to(torch.uint8)
         self.group = torch.arange(s.width) // s.group_size
-        if s.codes is not None:
+        if isinstance(s.codes, TableCodes):
+            c = s.codes
+            self.index = (c.scale_index.long(), c.min_index.long())  # [G, N] each
+            self.base = [c.scale_base.float(), c.scale_table.float(), c.min_table.float()]
+        elif s.codes is not None:
             code_s, code_m = encode(s.scales, s.mins, s.codes, "tune")
             self.code_s, self.code_m = code_s.float(), code_m.float()  # [G, N]
             self.base = [s.codes.scale_step.float(), s.codes.min_step.float()]  # [N] each
@@ -45,6 +50,10 @@ class TunableSlice:
 
     def scales_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[G, N] fp32, differentiable."""
+        if isinstance(self.s.codes, TableCodes):
+            base, st, mt = self.values()
+            sc = base[None, :] * st[self.index[0]]
+            return sc, sc * mt[self.index[1]]
         a, b = self.values()
         if self.s.codes is not None:
             return self.code_s * a, self.code_m * b
@@ -58,6 +67,13 @@ class TunableSlice:
     def frozen(self) -> QuantSlice:
         """The slice with its tuned values rounded to what the format stores (q untouched)."""
         s = self.s
+        if isinstance(s.codes, TableCodes):
+            base, st, mt = (v.detach() for v in self.values())
+            c = s.codes
+            t = TableCodes(c.scale_bits, c.min_bits, base.clamp_min(2.0**-24).half(), st.clamp_min(2.0**-24).half(), mt.half(),
+                           c.scale_index, c.min_index)
+            scales, mins = t.decode()
+            return QuantSlice(s.k_start, s.k_end, s.bits, s.group_size, s.qweight, scales, mins, t)
         a, b = (v.detach() for v in self.values())
         if s.codes is not None:
             codes = ScaleCodes(a.clamp_min(_MIN_STEP).half(), b.clamp_min(_MIN_STEP).half())
