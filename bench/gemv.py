@@ -113,8 +113,6 @@ def main() -> None:
                     help="sweep only gemv_w4's one-row settings, including tiles of one group (block_kw 8, 16)")
     ap.add_argument("--pairs", action="store_true", help="one row: gemv_w4 with pair_rows beside the default, same call")
     ap.add_argument("--sweep-b16", action="store_true", help="sweep only the 16-row gemm_w4 settings, with K splits")
-    ap.add_argument("--stream-k", action="store_true",
-                    help="one row: gemv_w4 stream-K (2-8 programs per SM, the tuned tile) beside its split-K default")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -189,9 +187,6 @@ def main() -> None:
                            itertools.product((64, 128, 256), (16, 32), (2, 4, 8))]
             grid64 = grid_m + [dict(block_n=bn, block_m=bm, num_warps=w) for bn, bm, w in
                                itertools.product((64, 128, 256), (16, 32), (4, 8))] if args.sweep or args.sweep_rows else grid_m
-            if args.stream_k:  # the tuned tile as split-K (default, first) and as stream-K, same call
-                sms = torch.cuda.get_device_properties(0).multi_processor_count
-                grid1 += [dict(programs=p * sms) for p in (2, 3, 4, 5, 6, 8)]
             best1 = pick(new, grid1, x1, ref1)
             x64 = torch.randn(64, k, device="cuda", dtype=torch.float16)
             best16 = pick(mma, grid_m if args.sweep or args.sweep_rows else grid16, x16, ref16)
@@ -233,13 +228,6 @@ def main() -> None:
             plain = min((tr for tr in one if not tr["cfg"].get("pair_rows")), key=lambda tr: tr["us"])
             paired = min((tr for tr in one if tr["cfg"].get("pair_rows")), key=lambda tr: tr["us"])
             print(f"{r['shape']:<12} b1 default {plain['us']:.1f} us, pair_rows {paired['us']:.1f} us {paired['cfg']}")
-    if args.stream_k:
-        for r in rows:
-            one = [tr for tr in r["trials"] if tr["rows"] == 1 and tr["kernel"] == "w4"]
-            split = min((tr for tr in one if "programs" not in tr["cfg"]), key=lambda tr: tr["us"])
-            sk = min((tr for tr in one if "programs" in tr["cfg"]), key=lambda tr: tr["us"])
-            print(f"{r['shape']:<12} b1 split-K {split['us']:.1f} us, stream-K {sk['us']:.1f} us {sk['cfg']} "
-                  f"(" + ", ".join(f"{tr['cfg']['programs']}: {tr['us']:.1f}" for tr in one if "programs" in tr["cfg"]) + ")")
     print("gemm_w4, x split in the kernel (S) or permuted (P), default -> the other, same configs: " + ", ".join(
         f"{r['shape']} b16 {'SP'[not r['x_split16']]} {r['w4_t16_us']:.1f}->{r['w4_t16_other_us'] or float('nan'):.1f} "
         f"b64 {'SP'[not r['x_split64']]} {r['w4_t64_us']:.1f}->{r['w4_t64_other_us'] or float('nan'):.1f} us"

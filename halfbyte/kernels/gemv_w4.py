@@ -25,12 +25,11 @@ the PTX path. The reference is quant_matmul.quant_matmul_ref."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
-from halfbyte.kernels.quant_gemv import _counter_buffer, _write_out, split_k_launch
+from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
 from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
 # q - 8 for the 8 nibbles of a word as 4 half2 registers: pairs (0,4) (1,5) (2,6) (3,7).
@@ -228,79 +227,6 @@ if HAS_TRITON:
         _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K)
 
 
-    @triton.jit
-    def _gemv_w4_m1_sk_kernel(
-        x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
-        N, K, k_tiles, per, slots,
-        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-        PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,
-    ):
-        """Stream-K: the (column block, K tile) units in column-block order are cut into equal runs
-        of `per`, one per program, so every program streams the same bytes whatever the shape (a
-        split-K grid leaves part of a wave idle). A run that covers a column block whole writes it;
-        the pieces of a shared block go to partial slots (slot = program - the block's first
-        program), and the last program to finish adds them in slot order (deterministic)."""
-        BLOCK_K: tl.constexpr = BLOCK_KW * 8
-        HALF: tl.constexpr = BLOCK_KW // 2
-        pid = tl.program_id(0)
-        start = pid * per
-        end = tl.minimum(start + per, tl.cdiv(N, BLOCK_N) * k_tiles)
-        cb = start // k_tiles
-        kt = start - cb * k_tiles
-        rn = cb * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = rn < N
-        even = 2 * tl.arange(0, HALF)
-        # the first tile before waiting for the previous kernel (weights never change)
-        if PAIR_ROWS:
-            we = _load_rows(qw_ptr, kt * BLOCK_KW + even, K, N, rn, rn < tl.where(start < end, N, 0))
-            wo = _load_rows(qw_ptr, kt * BLOCK_KW + even + 1, K, N, rn, rn < tl.where(start < end, N, 0))
-            acc = tl.zeros([HALF, BLOCK_N], dtype=tl.float32)
-        else:
-            words = _load_rows(qw_ptr, kt * BLOCK_KW + tl.arange(0, BLOCK_KW), K, N, rn, rn < tl.where(start < end, N, 0))
-            acc = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
-        pdl_sync(PDL)
-        seg_first = kt  # the first K tile of this run's current column block
-        for it in range(start, end):
-            k0 = kt * BLOCK_K
-            if PAIR_ROWS:
-                acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, K, N, rn, n_mask,
-                                     GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
-            else:
-                acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k0, K, N, rn, n_mask,
-                               GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
-            # the next unit's tile (past the run: masked, no traffic), requested before the flush
-            last_of_block = kt == k_tiles - 1
-            ncb = tl.where(last_of_block, cb + 1, cb)
-            nkt = tl.where(last_of_block, 0, kt + 1)
-            nrn = ncb * BLOCK_N + tl.arange(0, BLOCK_N)
-            nmask = nrn < tl.where(it + 1 < end, N, 0)
-            if PAIR_ROWS:
-                we = _load_rows(qw_ptr, nkt * BLOCK_KW + even, K, N, nrn, nmask)
-                wo = _load_rows(qw_ptr, nkt * BLOCK_KW + even + 1, K, N, nrn, nmask)
-            else:
-                words = _load_rows(qw_ptr, nkt * BLOCK_KW + tl.arange(0, BLOCK_KW), K, N, nrn, nmask)
-            if last_of_block or it + 1 == end:  # this run's piece of column block cb is complete
-                total = tl.sum(acc, axis=0)
-                if seg_first == 0 and last_of_block:  # the whole block: straight to the output
-                    tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_mask)
-                else:
-                    first_p = (cb * k_tiles) // per
-                    contributors = ((cb + 1) * k_tiles - 1) // per - first_p + 1
-                    tl.store(partial_ptr + (cb * slots + pid - first_p) * BLOCK_N + tl.arange(0, BLOCK_N), total)
-                    tl.debug_barrier()  # every warp's partial written before the count (see _write_out)
-                    done = tl.atomic_add(counter_ptr + cb, 1, sem="acq_rel")
-                    if done == contributors - 1:
-                        sum_ = tl.zeros([BLOCK_N], dtype=tl.float32)
-                        for sl in range(contributors):
-                            sum_ += tl.load(partial_ptr + (cb * slots + sl) * BLOCK_N + tl.arange(0, BLOCK_N),
-                                            cache_modifier=".cg")
-                        tl.store(out_ptr + rn, sum_.to(out_ptr.dtype.element_ty), mask=n_mask)
-                        tl.atomic_xchg(counter_ptr + cb, 0)
-                acc = tl.zeros_like(acc)
-                seg_first = 0
-            cb, kt, rn, n_mask = ncb, nkt, nrn, nrn < N
-
-
 # (N, K) -> (block_n, block_kw, split_k or None for about two waves, stages, warps, pair_rows):
 # the H200 sweep's winners for Llama-3 8B / 70B shapes (bench/gemv.py --sweep, --sweep-b1, --pairs
 # with PDL on; BENCHMARKS.md). Calls on different machines differ by up to ~15% for the same
@@ -320,13 +246,6 @@ _M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int, bool]] = 
 }
 # HALFBYTE_GEMV_PAIRS=0 / 1 forces pair_rows off / on for every shape (A/B runs)
 _PAIRS_ENV = os.environ.get("HALFBYTE_GEMV_PAIRS")
-# HALFBYTE_GEMV_STREAM_K=P runs every shape stream-K with P programs per SM (A/B runs)
-_STREAM_K_ENV = os.environ.get("HALFBYTE_GEMV_STREAM_K")
-
-
-@functools.cache
-def _sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _use_asm() -> bool:
@@ -344,10 +263,8 @@ def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
-    programs: int | None = None,
 ) -> torch.Tensor:
-    """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
-    programs: stream-K over that many programs instead of a split-K grid (split_k is then ignored)."""
+    """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even)."""
     k = x.shape[1]
     assert supports(x, 4, group_size), (x.shape, x.dtype, group_size)
     n = qweight.shape[1]
@@ -366,11 +283,6 @@ def gemv_w4(
         raise ValueError(f"gemv_w4: pair_rows needs an even block_kw, got {block_kw}")
     x = x.contiguous()
     col_blocks = triton.cdiv(n, block_n)
-    if programs is None and _STREAM_K_ENV and x.device.type == "cuda":
-        programs = int(_STREAM_K_ENV) * _sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    if programs is not None:  # stream-K: `programs` equal runs of (column block, K tile) units
-        return _gemv_w4_stream_k(x, qweight, scales, mins, group_size, block_n, block_kw, num_warps, num_stages,
-                                 pair_rows, programs)
     split_k, k_per_split, out, partial, counters = split_k_launch(x, n, block_kw * 8, col_blocks, split_k)
     _gemv_w4_m1_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
@@ -379,24 +291,3 @@ def gemv_w4(
     )
     return out
 
-
-
-def _gemv_w4_stream_k(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                      group_size: int, block_n: int, block_kw: int, num_warps: int, num_stages: int,
-                      pair_rows: bool, programs: int) -> torch.Tensor:
-    k = x.shape[1]
-    n = qweight.shape[1]
-    col_blocks = triton.cdiv(n, block_n)
-    k_tiles = triton.cdiv(k, block_kw * 8)
-    units = col_blocks * k_tiles
-    per = triton.cdiv(units, max(1, min(programs, units)))
-    grid = triton.cdiv(units, per)
-    slots = triton.cdiv(k_tiles, per) + 1  # programs that can share one column block
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    partial = torch.empty(col_blocks * slots * block_n, dtype=torch.float32, device=x.device)
-    _gemv_w4_m1_sk_kernel[(grid,)](
-        x, qweight, scales, mins, out, partial, _counter_buffer(x.device, col_blocks), n, k, k_tiles, per, slots,
-        GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, PAIR_ROWS=pair_rows, USE_ASM=_use_asm(),
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
-    )
-    return out
