@@ -238,7 +238,7 @@ def test_measurement_reproduces_gptq_and_storage_accounting(clip: bool) -> None:
         if len(cand.slices(128)) == 1:  # uniform: exactly gptq_quantize
             _, _, bits, gs = cand.slices(128)[0]
             _, gptq_loss = gptq_quantize(w, h, bits, gs, act_order=cand.act_order, clip_search=clip,
-                                         scale_codes=cand.scale_codes)
+                                         scale_codes=cand.codes)
             assert err == pytest.approx(gptq_loss / signal, rel=1e-3, abs=1e-9), cand.name
         assert err == pytest.approx(loss / signal, rel=0.25, abs=1e-7), cand.name  # mixes: one sweep vs per slice
     by_name = dict(zip((c.name for c in cands), measured, strict=True))
