@@ -140,7 +140,10 @@ def _lloyd(x: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
         idx = torch.bucketize(x, (centres[1:] + centres[:-1]) / 2)
         total = torch.zeros(k).index_add_(0, idx, x * weight)
         mass = torch.zeros(k).index_add_(0, idx, weight)
-        centres = torch.where(mass > 0, total / mass.clamp_min(1e-30), centres).sort().values
+        moved = torch.where(mass > 0, total / mass.clamp_min(1e-30), centres).sort().values
+        if torch.equal(moved, centres):  # a fixed point: further iterations change nothing
+            break
+        centres = moved
     return centres
 
 
@@ -193,23 +196,21 @@ def choose(
     ideal = ((hi - lo) / maxq).clamp_min(_TINY) / b
     near = torch.bucketize(ideal.log(), (log_st[1:] + log_st[:-1]) / 2)
     m_edges = (mt[1:] + mt[:-1]) / 2
-    best_err = torch.full((w.shape[0],), float("inf"))
-    best = [torch.zeros(w.shape[0]) for _ in range(2)] + [torch.zeros(w.shape[0], dtype=torch.long) for _ in range(2)]
-    for off in range(-window, window + 1):
-        si = (near + off).clamp(0, st.numel() - 1)
-        sc = (b * st[si]).half().float()
-        for refine in (False, True):
-            if not refine:
-                target = lo
-            else:
-                q = torch.clamp(torch.round((w - lo[:, None]) / sc[:, None]), 0, maxq)
-                target = ((w - q * sc[:, None]) * cw).sum(1)
-            mi = torch.bucketize(target / sc, m_edges)
-            mn = (sc * mt[mi]).half().float()
-            q = torch.clamp(torch.round((w - mn[:, None]) / sc[:, None]), 0, maxq)
-            err = ((q * sc[:, None] + mn[:, None] - w).square() * cw).sum(1)
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            for j, v in enumerate((sc, mn, si, mi)):
-                best[j] = torch.where(better, v, best[j])
-    return best[0], best[1], best[2], best[3]
+    # every trial at once (one tensor op per step instead of one per trial: this runs once per
+    # group and candidate inside GPTQ's column loop): scale entries near[r] + off, each with the
+    # min nearest the group's lowest value and the min nearest its least-squares min
+    offs = torch.arange(-window, window + 1)
+    si = (near[None, :] + offs[:, None]).clamp(0, st.numel() - 1)  # [O, R]
+    sc = (b[None, :] * st[si]).half().float()
+    qr = torch.clamp(torch.round((w[None] - lo[None, :, None]) / sc[..., None]), 0, maxq)
+    target = torch.stack([lo.expand_as(sc), ((w[None] - qr * sc[..., None]) * cw).sum(-1)], 1)  # [O, 2, R]
+    sc2 = sc[:, None, :].expand_as(target)
+    mi = torch.bucketize(target / sc2, m_edges)
+    mn = (sc2 * mt[mi]).half().float()
+    q = torch.clamp(torch.round((w[None, None] - mn[..., None]) / sc2[..., None]), 0, maxq)
+    err = ((q * sc2[..., None] + mn[..., None] - w[None, None]).square() * cw).sum(-1)  # [O, 2, R]
+    # the first trial (in the order off, then lowest before least-squares) with the least error
+    best = err.reshape(-1, w.shape[0]).argmin(0)  # [R]
+    rows = torch.arange(w.shape[0])
+    pick = lambda t: t.reshape(-1, w.shape[0])[best, rows]  # noqa: E731
+    return pick(sc2), pick(mn), pick(si[:, None, :].expand_as(target)), pick(mi)
