@@ -139,7 +139,7 @@ def default_candidates(group_size: int | None = None) -> list[Candidate]:
     if 32 in groups:
         for hi_frac, hi, lo in ((0.75, 4, 3), (0.5, 4, 3), (0.25, 4, 3), (0.5, 3, 2)):
             cands.append(Candidate(((hi_frac, hi), (1 - hi_frac, lo)), 32, scale_codes=True, order_block=32))
-        # table codes at group 32 (9-10 bits per group, table_codes.py): 4 bits in column order
+        # table codes at group 32 (8-10 bits per group, table_codes.py): 4 bits in column order
         # holds a 4-bit group-32 grid closely at ~4.31-4.33 bpw; 3 bits with act-order. (4 + 4
         # index bits was never chosen at 4.25 and cost conversion time: dropped.)
         cands += [Candidate(((1.0, 4),), 32, act_order=False, table=t) for t in ((4, 5), (4, 6))]
