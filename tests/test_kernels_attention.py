@@ -46,3 +46,22 @@ def test_decode_attention(seq_lens, hq, hkv, d, page, splits, dtype) -> None:  #
                                       splits, pages_per_tile)
         assert not out.isnan().any()
         assert rel_err(out, ref) <= (1e-3 if dtype == torch.float16 else 4e-3), pages_per_tile
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_batched_decode_reference_matches_one_sequence_at_a_time(window, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The reference's padded decode batch (with chunking forced) against the same sequences
+    attended alone, where the reference takes its per-sequence path."""
+    import halfbyte.kernels.attention as attention
+
+    seq_lens = [1, 17, 40, 33, 64]
+    q, k_cache, v_cache, meta = _random_case(seq_lens, 9, 3, 64, 16, torch.float32, seed=7)
+    q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
+    tables = meta.block_tables.cpu()
+    monkeypatch.setattr(attention, "_DECODE_CHUNK_ELEMENTS", 2 * 64 * 3 * 64)  # two sequences per chunk
+    out = paged_attention_ref(q, k_cache, v_cache, AttentionMetadata(
+        list(range(len(seq_lens) + 1)), seq_lens, tables, torch.zeros(len(seq_lens), dtype=torch.int64)), 0.125, window)
+    for b, n in enumerate(seq_lens):
+        alone = AttentionMetadata([0, 1], [n], tables[b : b + 1], torch.zeros(1, dtype=torch.int64))
+        ref = paged_attention_ref(q[b : b + 1], k_cache, v_cache, alone, 0.125, window)
+        torch.testing.assert_close(out[b : b + 1], ref, rtol=1e-5, atol=1e-6)

@@ -81,3 +81,17 @@ def test_race_on_candidates_equals_the_full_row_draw() -> None:
     want = race_ref(masked, keys, greedy)
     assert torch.equal(race_ref(vals, keys, greedy, ids), want)
     assert torch.equal(race_triton(vals, keys, greedy, ids), want)
+
+
+def test_mostly_filtered_rows_draw_as_the_full_race() -> None:
+    """race_ref hashes only the live tokens of a mostly filtered batch: the draw is the full
+    race's (noise on every token, filtered ones at -inf)."""
+    torch.manual_seed(5)
+    rows, vocab = 6, 4000
+    x = torch.randn(rows, vocab) * 2
+    x[x < 1.5] = float("-inf")  # ~7% of each row alive
+    keys = torch.tensor(row_keys(list(range(rows)), [2] * rows), dtype=torch.int64)
+    greedy = torch.tensor([False, False, True, False, False, False])
+    full = (x - torch.log(-torch.log(uniform_noise_ref(keys, vocab)))).argmax(dim=1)
+    full[2] = x[2].argmax()
+    assert torch.equal(race_ref(x, keys, greedy), full)

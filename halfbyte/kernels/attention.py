@@ -108,6 +108,8 @@ def paged_attention_ref(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for every sequence in the batch, computed in fp32. Returns [T, Hq, D]."""
+    if meta.is_decode and meta.num_seqs > 1:
+        return _decode_batched(q, k_cache, v_cache, meta, scale, sliding_window)
     out = torch.empty_like(q)
     for rows, qb, k, v, seq_len in _per_sequence(q, k_cache, v_cache, meta):
         num_kv, n_new = k.shape[0], qb.shape[1]
@@ -121,6 +123,43 @@ def paged_attention_ref(
         probs = scores.softmax(dim=-1).view(num_kv, group * n_new, seq_len)
         o = torch.matmul(probs, v.float()).view(num_kv * group, n_new, -1)
         out[rows] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+# a decode batch is padded to its longest sequence and attended in one op, in chunks of
+# sequences whose gathered K (fp32) stays under this many elements
+_DECODE_CHUNK_ELEMENTS = 2**24
+
+
+def _decode_batched(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """paged_attention_ref for one new token per sequence: the batch's pages gathered into
+    [B, L_max] and masked past each sequence's length (a Python loop per sequence dominated the
+    CPU engine's batched decode)."""
+    page_size, num_kv, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_seqs, group = meta.num_seqs, q.shape[1] // num_kv
+    seq_lens = torch.tensor(meta.seq_lens, device=q.device)
+    per_seq = max(1, _DECODE_CHUNK_ELEMENTS // (max(meta.seq_lens) * num_kv * head_dim))
+    out = torch.empty_like(q)
+    for b0 in range(0, num_seqs, per_seq):
+        b1 = min(num_seqs, b0 + per_seq)
+        lens = seq_lens[b0:b1]
+        num_pages = (max(meta.seq_lens[b0:b1]) + page_size - 1) // page_size
+        pages = meta.block_tables[b0:b1, :num_pages].long().clamp_min(0)  # unused entries: any page, masked
+        # [b, P, page, Hkv, D] -> [b, Hkv, L, D]
+        k = k_cache[pages].flatten(1, 2).transpose(1, 2).float()
+        v = v_cache[pages].flatten(1, 2).transpose(1, 2).float()
+        qg = q[b0:b1].float().view(b1 - b0, num_kv, group, head_dim)
+        scores = torch.matmul(qg, k.transpose(2, 3)).mul_(scale)  # [b, Hkv, group, L]
+        pos = torch.arange(k.shape[2], device=q.device)
+        invalid = pos[None, :] >= lens[:, None]  # [b, L]
+        if sliding_window is not None:
+            invalid |= pos[None, :] <= (lens - 1 - sliding_window)[:, None]
+        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+        o = torch.matmul(scores.softmax(dim=-1), v)  # [b, Hkv, group, D]
+        out[b0:b1] = o.view(b1 - b0, num_kv * group, head_dim).to(q.dtype)
     return out
 
 

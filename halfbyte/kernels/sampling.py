@@ -79,8 +79,19 @@ def race_ref(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor, token_id
     pos = x.argmax(dim=1)
     drawn = (~greedy).nonzero().squeeze(1)  # noise only where it is used: [B, V] hashes are costly
     if drawn.numel():
-        u = uniform_noise_ref(keys[drawn], x.shape[1], None if token_ids is None else token_ids[drawn])
-        pos[drawn] = (x[drawn] - torch.log(-torch.log(u))).argmax(dim=1)
+        xd = x[drawn]
+        ids = None if token_ids is None else token_ids[drawn]
+        alive = xd > float("-inf")
+        if int(alive.sum()) * 4 < alive.numel():
+            # mostly filtered (top-k / top-p / min-p): hash only the live tokens; the others
+            # stay at -inf, so the draw is the same
+            r, c = alive.nonzero(as_tuple=True)
+            u = uniform_noise_ref(keys[drawn][r], 1, (c if ids is None else ids[r, c]).unsqueeze(1)).squeeze(1)
+            scored = torch.full_like(xd, float("-inf"))
+            scored[r, c] = xd[r, c] - torch.log(-torch.log(u))
+        else:
+            scored = xd - torch.log(-torch.log(uniform_noise_ref(keys[drawn], x.shape[1], ids)))
+        pos[drawn] = scored.argmax(dim=1)
     return pos if token_ids is None else token_ids.long().gather(1, pos.unsqueeze(1)).squeeze(1)
 
 
