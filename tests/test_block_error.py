@@ -147,3 +147,26 @@ def test_clip_search_never_rounds_worse_than_the_full_range() -> None:
             assert bool((e_clip <= e_full).all())
             if col_weight is None and bits < 4:  # at few bits clipping the outlier pays clearly
                 assert float(e_clip.sum()) < 0.9 * float(e_full.sum()), bits
+
+
+def test_clip_search_over_a_batch_of_groups_picks_each_rows_best_grid(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """group_params on [C, N, G] (several candidates' groups at once, the factors in chunks)
+    equals one group at a time, and each row's grid is the first of the least-error ones."""
+    import halfbyte.quant.rtn as rtn
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(3, 40, 32, generator=g)
+    w[:, :, 7] *= 5
+    cw = torch.rand(32, generator=g) + 0.01
+    monkeypatch.setattr(rtn, "_CLIP_TRIAL_ELEMENTS", 3 * w.numel())  # factors in chunks of 3
+    s, m = group_params(w, 3, clip_search=True, col_weight=cw)
+    for c in range(3):
+        sc, mc = group_params(w[c], 3, clip_search=True, col_weight=cw)
+        assert torch.equal(s[c], sc) and torch.equal(m[c], mc)
+        # every listed grid, one at a time: none rounds a row better than the chosen one
+        lo, hi = w[c].amin(1), w[c].amax(1)
+        chosen = _rounding_error(w[c], sc, mc, 7, cw)
+        for f in (1.0, *rtn.CLIP_FACTORS):
+            fs = (2 * f * (hi - lo) / 2 / 7).clamp_min(2.0**-24).half().float()
+            fm = ((hi + lo) / 2 - f * (hi - lo) / 2).half().float()
+            assert bool((chosen <= _rounding_error(w[c], fs, fm, 7, cw)).all()), f

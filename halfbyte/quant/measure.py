@@ -174,69 +174,91 @@ def _prepare(
     return weight, h, perm
 
 
-def _sweep(
-    weight: torch.Tensor, h: torch.Tensor, hinv: torch.Tensor, candidates: list[Candidate], block_size: int, clip_search: bool
-) -> torch.Tensor:
-    """One GPTQ sweep over the columns of weight [n, K] (stored order, preprocessed) for every
-    candidate at once, batched along a leading candidate axis (per-column Python overhead
-    dominates GPTQ on small layers). Returns the dequantized weights [C, K, n], stored order."""
-    rows_n, k = weight.shape
-    c = len(candidates)
-    # per candidate and stored column: max q, and whether a new group starts there (group end)
-    maxq = torch.empty(c, k)
-    group_end = [dict[int, int]() for _ in range(c)]
-    group_codes = [dict[int, ScaleCodes]() for _ in range(c)]  # coded candidates: the slice's steps
-    group_tables = [dict[int, tuple[torch.Tensor, ...]]() for _ in range(c)]  # table-coded: the slice's tables
+@dataclass
+class _GroupJob:
+    """Candidates whose groups start at one column and end at the same column with the same bits:
+    their grids come from one batched group_params call (table-coded ones each from choose)."""
+
+    idx: list[int]
+    end: int
+    bits: int
+    codes: list[ScaleCodes | None]  # per candidate: its slice's 8-bit code steps, if coded
+    tables: tuple[torch.Tensor, ...] | None = None  # a table-coded candidate's (base, tables)
+
+
+def _group_jobs(weight: torch.Tensor, candidates: list[Candidate]) -> tuple[torch.Tensor, dict[int, list[_GroupJob]]]:
+    """Per candidate and stored column its max q [C, K]; per column the groups starting there."""
+    k = weight.shape[1]
+    maxq = torch.empty(len(candidates), k)
+    jobs: dict[int, list[_GroupJob]] = {}
+    plain: dict[tuple[int, int, int], _GroupJob] = {}
     for ci, cand in enumerate(candidates):
         for k0, k1, bits, gs in cand.slices(k):
             maxq[ci, k0:k1] = (1 << bits) - 1
             codes = grid_steps(weight[:, k0:k1], bits, gs) if cand.scale_codes else None
             tables = fit_tables(weight[:, k0:k1], bits, gs, *cand.table) if cand.table is not None else None
             for g0 in range(k0, k1, gs):
-                group_end[ci][g0] = min(g0 + gs, k1)
-                if codes is not None:
-                    group_codes[ci][g0] = codes
+                g1 = min(g0 + gs, k1)
                 if tables is not None:
-                    group_tables[ci][g0] = tables
-    starts: dict[int, list[int]] = {}
-    for ci in range(c):
-        for col in group_end[ci]:
-            starts.setdefault(col, []).append(ci)
+                    jobs.setdefault(g0, []).append(_GroupJob([ci], g1, bits, [None], tables))
+                    continue
+                job = plain.get((g0, g1, bits))
+                if job is None:
+                    job = plain[(g0, g1, bits)] = _GroupJob([], g1, bits, [])
+                    jobs.setdefault(g0, []).append(job)
+                job.idx.append(ci)
+                job.codes.append(codes)
+    return maxq, jobs
 
+
+def _sweep(
+    weight: torch.Tensor, h: torch.Tensor, hinv: torch.Tensor, candidates: list[Candidate], block_size: int, clip_search: bool
+) -> torch.Tensor:
+    """One GPTQ sweep over the columns of weight [n, K] (stored order, preprocessed) for every
+    candidate at once, batched along a candidate axis (per-column Python overhead dominates GPTQ
+    on small layers). Returns the dequantized weights [K, C, n], stored order.
+
+    Inside a block, a column (or a starting group's columns) takes the block's earlier errors when
+    it is reached, as one product with them, instead of every remaining column of the block being
+    updated after each column: GPTQ's arithmetic in another order, with a quarter of the memory
+    traffic; the rest of K takes each block's errors in one in-place product."""
+    rows_n, k = weight.shape
+    c = len(candidates)
+    maxq, jobs = _group_jobs(weight, candidates)
+    maxq = maxq.t().contiguous()  # [K, C]
     hdiag = torch.diag(h)  # [K] input energies, stored order
-    # columns first ([C, K, n]): every per-column op then reads contiguous memory
-    wc = weight.t().unsqueeze(0).repeat(c, 1, 1)  # [C, K, n], error-updated weights
-    deq = torch.empty_like(wc)  # [C, K, n] dequantized values, stored order
+    # columns first, then candidates ([K, C, n]): a column is one contiguous [C, n] tile and the
+    # lazy update of the rest of K is a single [K', B] x [B, C * n] product
+    wc = weight.t().unsqueeze(1).repeat(1, c, 1)  # [K, C, n], error-updated up to the current block
+    deq = torch.empty_like(wc)
     scale = torch.ones(c, rows_n)
     mn = torch.zeros(c, rows_n)
+    err = torch.empty(block_size, c, rows_n)  # [B, C, n] this block's scaled errors
     for b0 in range(0, k, block_size):
         b1 = min(b0 + block_size, k)
-        block = wc[:, b0:b1].clone()  # [C, B, n]
-        err = torch.empty_like(block)
-        hblock = hinv[b0:b1, b0:b1]
         for i in range(b1 - b0):
             col = b0 + i
-            for ci in starts.get(col, ()):
-                g_end = group_end[ci][col]
-                cols = block[ci, i : min(g_end, b1) - b0]
-                if g_end > b1:
-                    cols = torch.cat([cols, wc[ci, b1:g_end]], dim=0)
-                bits = int(maxq[ci, col]).bit_length()
-                if col in group_tables[ci]:
-                    scale[ci], mn[ci], _, _ = choose(cols.t(), *group_tables[ci][col], (1 << bits) - 1, hdiag[col:g_end])
+            for job in jobs.get(col, ()):
+                cols = wc[col : job.end, job.idx]  # [G, C', n]
+                if i:  # the block's errors so far (columns past b1 included: they have not had them)
+                    cols -= torch.matmul(hinv[b0:col, col : job.end].t(), err[:i, job.idx].flatten(1)).view_as(cols)
+                if job.tables is not None:
+                    ci = job.idx[0]
+                    scale[ci], mn[ci], _, _ = choose(cols[:, 0].t(), *job.tables, (1 << job.bits) - 1, hdiag[col : job.end])
                     continue
-                scale[ci], mn[ci] = group_params(cols.t(), bits, False, clip_search, hdiag[col:g_end] if clip_search else None)
-                if col in group_codes[ci]:
-                    scale[ci], mn[ci] = snap(scale[ci], mn[ci], group_codes[ci][col])
-            wcol = block[:, i]  # [C, n]
-            q = torch.minimum(torch.clamp(torch.round((wcol - mn) / scale), min=0), maxq[:, col : col + 1])
+                s, m = group_params(cols.permute(1, 2, 0), job.bits, False, clip_search,
+                                    hdiag[col : job.end] if clip_search else None)  # [C', n]
+                for j, (ci, codes) in enumerate(zip(job.idx, job.codes, strict=True)):
+                    scale[ci], mn[ci] = snap(s[j], m[j], codes) if codes is not None else (s[j], m[j])
+            wcol = wc[col]  # [C, n]
+            if i:
+                wcol = wcol - torch.matmul(hinv[b0:col, col], err[:i].flatten(1)).view_as(wcol)
+            q = torch.minimum(torch.clamp(torch.round((wcol - mn) / scale), min=0), maxq[col, :, None])
             dq = q * scale + mn
-            deq[:, col] = dq
-            e = (wcol - dq) / hblock[i, i]
-            block[:, i:] -= hblock[i, i:, None] * e[:, None, :]
-            err[:, i] = e
+            deq[col] = dq
+            torch.div(wcol - dq, hinv[col, col], out=err[i])
         if b1 < k:
-            wc[:, b1:] -= torch.matmul(hinv[b0:b1, b1:].t(), err)
+            wc[b1:].view(k - b1, -1).addmm_(hinv[b0:b1, b1:].t(), err[: b1 - b0].view(b1 - b0, -1), alpha=-1)
     return deq
 
 
@@ -270,7 +292,7 @@ def candidate_weights(
     for order, idx in sweep_groups(candidates, act_order).items():
         weight, h, perm = _prepare(w, hessian, order > 0, max(order, 1))
         hinv = _inverse_cholesky_upper(h, damp)
-        deq = _sweep(weight, h, hinv, [candidates[i] for i in idx], block_size, clip_search).transpose(1, 2)  # [c, n, K] stored
+        deq = _sweep(weight, h, hinv, [candidates[i] for i in idx], block_size, clip_search).permute(1, 2, 0)  # [c, n, K] stored
         if perm is not None:
             deq = deq[:, :, torch.argsort(perm)]
         out[idx] = deq

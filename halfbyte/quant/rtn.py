@@ -30,9 +30,10 @@ def group_params(
     w: torch.Tensor, bits: int, symmetric: bool = False, clip_search: bool = False,
     col_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, min), each float32 [N] holding fp16-representable values, for the group of
-    columns w [N, G]. Asymmetric: the grid spans [min, max] of each row. Symmetric: a zero point
-    of 2^(bits-1) and a scale from max |w| (mins = -z * scale).
+    """(scale, min), each float32 [..., N] holding fp16-representable values, for the group of
+    columns w [..., N, G] (leading dims: several candidates' groups at once). Asymmetric: the
+    grid spans [min, max] of each row. Symmetric: a zero point of 2^(bits-1) and a scale from
+    max |w| (mins = -z * scale).
 
     clip_search (asymmetric only): per row, also try grids over the range shrunk towards its
     midpoint (CLIP_FACTORS) and keep the one with the least squared rounding error; at few bits
@@ -43,27 +44,28 @@ def group_params(
     maxq = (1 << bits) - 1
     w = w.float()
     if symmetric:
-        amax = w.abs().amax(dim=1)
+        amax = w.abs().amax(dim=-1)
         scale = (2 * amax / maxq).clamp_min(_MIN_SCALE).half().float()
         # z is a power of two, so -z * scale is exact in fp16 as long as it does not overflow
         mn = (-(1 << (bits - 1)) * scale).half().float()
         return scale, mn
-    lo = w.amin(dim=1)
-    hi = w.amax(dim=1)
+    lo = w.amin(dim=-1)
+    hi = w.amax(dim=-1)
     scale = ((hi - lo) / maxq).clamp_min(_MIN_SCALE).half().float()
     mn = lo.half().float()
     if not clip_search or bits > CLIP_MAX_BITS:
         return scale, mn
-    best = _rounding_error(w, scale, mn, maxq, col_weight)
+    # every clipped grid at once ([F, ..., N]; the full range first, so argmin keeps it on ties),
+    # in chunks of factors that keep the trial tensor [F, ..., N, G] bounded
     mid, half_range = (hi + lo) / 2, (hi - lo) / 2
-    for f in CLIP_FACTORS:
-        lo_f = mid - f * half_range
-        s_f = (2 * f * half_range / maxq).clamp_min(_MIN_SCALE).half().float()
-        m_f = lo_f.half().float()
-        err = _rounding_error(w, s_f, m_f, maxq, col_weight)
-        better = err < best
-        scale, mn, best = torch.where(better, s_f, scale), torch.where(better, m_f, mn), torch.where(better, err, best)
-    return scale, mn
+    f = torch.tensor((1.0,) + CLIP_FACTORS).view(-1, *([1] * lo.dim()))
+    scales = torch.cat([scale[None], (2 * f[1:] * half_range / maxq).clamp_min(_MIN_SCALE).half().float()])
+    mins = torch.cat([mn[None], (mid - f[1:] * half_range).half().float()])
+    per_chunk = max(1, _CLIP_TRIAL_ELEMENTS // max(1, w.numel()))
+    errs = torch.cat([_rounding_error(w, scales[i : i + per_chunk], mins[i : i + per_chunk], maxq, col_weight)
+                      for i in range(0, f.shape[0], per_chunk)])
+    best = errs.argmin(dim=0, keepdim=True)  # the first (widest) of equally good grids
+    return scales.gather(0, best)[0], mins.gather(0, best)[0]
 
 
 # from 5 bits up the grid is fine enough that clipping almost never wins: the search (the
@@ -71,17 +73,18 @@ def group_params(
 CLIP_MAX_BITS = 4
 # range fractions clip_search tries after the full range
 CLIP_FACTORS = tuple(1.0 - 0.025 * i for i in range(1, 17))  # 0.975 .. 0.6
+_CLIP_TRIAL_ELEMENTS = 2**23
 
 
 def _rounding_error(
     w: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, maxq: int, col_weight: torch.Tensor | None
 ) -> torch.Tensor:
-    """Per row, the (column-weighted) squared error of w [N, G] rounded to the grid (scale, mn) [N]."""
-    # in place on one temporary: this runs 17 times per group in GPTQ's clip search, the
-    # converter's hottest loop (same arithmetic as the plain expression, in the same order)
-    e = (w - mn[:, None]).div_(scale[:, None]).round_().clamp_(0, maxq)
-    e.mul_(scale[:, None]).add_(mn[:, None]).sub_(w).square_()
-    return (e.mul_(col_weight) if col_weight is not None else e).sum(1)
+    """Per grid and row, the (column-weighted) squared error of w [..., N, G] rounded to the grids
+    (scale, mn) [F, ..., N]: [F, ..., N]."""
+    # in place on one temporary: this is the converter's hottest loop
+    e = (w - mn[..., None]).div_(scale[..., None]).round_().clamp_(0, maxq)
+    e.mul_(scale[..., None]).add_(mn[..., None]).sub_(w).square_()
+    return (e.mul_(col_weight) if col_weight is not None else e).sum(-1)
 
 
 def quantize_values(w: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: int) -> torch.Tensor:
