@@ -191,3 +191,19 @@ def test_quantize_candidate_mixed_table_slices() -> None:
     assert qw.storage_bits() == storage_bits(cand, 32, 256, act_order=True)
     back = QuantWeight.from_state_dict("p", qw.to_state_dict("p"), qw.meta())
     assert torch.equal(back.dequantize(), qw.dequantize())
+
+
+def test_budgets_below_4_bits_also_measure_low_bit_table_candidates() -> None:
+    from halfbyte.quant.convert import ConvertOptions
+
+    g64_3 = Candidate(((1.0, 3),), 64, table=(4, 4))
+    g32_2 = Candidate(((1.0, 2),), 32, table=(4, 4))
+    low, high = ConvertOptions(bits=3.25).candidate_list(), ConvertOptions(bits=4.25).candidate_list()
+    assert g64_3 in low and g32_2 in low and g64_3 not in high and g32_2 not in high
+    assert set(high) < set(low) and len(set(low)) == len(low)
+    only64 = ConvertOptions(bits=2.5, group_size=64).candidate_list()
+    assert g64_3 in only64 and all(c.group_size == 64 for c in only64)
+    # ~3.1 bpw for SmolLM2's 576-wide inputs: under a 3.25 budget without dropping to 2 bits
+    assert storage_bits(g64_3, 960, 576, act_order=True) / (960 * 576) < 3.2
+    given = (Candidate(((1.0, 4),), 32),)
+    assert ConvertOptions(bits=3.0, candidates=given).candidate_list() == list(given)

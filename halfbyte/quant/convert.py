@@ -58,7 +58,7 @@ from halfbyte.quant.convert_state import (
 from halfbyte.quant.layer_forward import (  # noqa: F401  (re-exported for bench/ and tests)
     UNITS, LayerWeights, TensorSource, _hessian, _unit_shapes, read_layer, run_layer,
 )
-from halfbyte.quant.measure import Candidate, allocate, default_candidates, quantize_candidate, storage_bits
+from halfbyte.quant.measure import LOW_BITS_BELOW, Candidate, allocate, default_candidates, quantize_candidate, storage_bits
 from halfbyte.quant.packing import SUPPORTED_BITS
 from halfbyte.quant.qtensor import ALLOWED_GROUP_SIZES, FORMAT_VERSION, QuantWeight, slice_storage_bits
 from halfbyte.quant.tune import TunableModel, tune
@@ -98,7 +98,8 @@ class ConvertOptions:
     clip_search: bool = True
     measure_tokens: int = 1024  # calibration tokens (whole windows) each candidate's block error is measured on
     show_progress: bool = True
-    candidates: tuple[Candidate, ...] | None = None  # None: measure.default_candidates(group_size)
+    # None: measure.default_candidates(group_size), with its low-bit extras below LOW_BITS_BELOW bpw
+    candidates: tuple[Candidate, ...] | None = None
     measure_cache: str | Path | None = None  # reuse calibration + measurement across budgets
     # end-to-end tuning of norms, scales and mins after quantization (tune.py): Adam steps over
     # the calibration windows. None: default_tune_steps (TUNE_STEPS below TUNE_BELOW bpw, where it
@@ -122,6 +123,12 @@ class ConvertOptions:
             raise ConversionError("calibration needs windows of at least 16 tokens and at least 1 window")
         if self.tune_steps is not None and (isinstance(self.tune_steps, bool) or not isinstance(self.tune_steps, int) or self.tune_steps < 0):
             raise ConversionError(f"--tune-steps must be an integer >= 0, got {self.tune_steps!r}")
+
+    def candidate_list(self) -> list[Candidate]:
+        """The candidates to measure: the given ones, or the defaults for the budget's range."""
+        if self.candidates:
+            return list(self.candidates)
+        return default_candidates(self.group_size, low_bits=self.bits < LOW_BITS_BELOW)
 
     def steps(self) -> int:
         """End-to-end tuning steps (convert() resolves the default for the model first)."""
@@ -192,7 +199,7 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
     cfg = ModelConfig.from_hf(hf_cfg)
     if opts.tune_steps is None:
         opts = dataclasses.replace(opts, tune_steps=default_tune_steps(opts.bits, cfg))
-    cands = list(opts.candidates) if opts.candidates else default_candidates(opts.group_size)
+    cands = opts.candidate_list()
     _check_budget(cfg, cands, opts)
     docs = calibration.read_calibration_texts(opts.calib_files) if opts.calib_files else None
     src = TensorSource(model_dir)

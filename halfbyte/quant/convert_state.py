@@ -14,7 +14,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from halfbyte.io.safetensors_files import safetensors_files
-from halfbyte.quant.measure import default_candidates
 
 if TYPE_CHECKING:
     from halfbyte.quant.convert import ConvertOptions
@@ -77,7 +76,7 @@ def _fingerprint(model_dir: Path, opts: ConvertOptions) -> dict[str, Any]:
         "sample_prompts": opts.sample_prompts,
         "sample_tokens": opts.sample_tokens,
         # the default list too: a cached measurement of another candidate list must not be reused
-        "candidates": [c.to_json() for c in (opts.candidates or default_candidates(opts.group_size))],
+        "candidates": [c.to_json() for c in opts.candidate_list()],
         "tune": [opts.steps(), opts.tune_lr_norm, opts.tune_lr_scale],
     }
 

@@ -112,13 +112,14 @@ class Candidate:
                    (int(table[0]), int(table[1])) if table is not None else None)  # type: ignore[index]
 
 
-def default_candidates(group_size: int | None = None) -> list[Candidate]:
+def default_candidates(group_size: int | None = None, low_bits: bool = False) -> list[Candidate]:
     """Candidates at groups 32/64/128: 2 and 3 bits with act-order (where GPTQ gains most from
     it), 4 bits with and without, 5/6/8 bits in column order ("seq": no permutation to store,
     and a weight that already sits on a group grid stays exactly representable), and act-order
     two-slice mixes, half of K at b+1 bits and half at b (and 4 / 2, 8 / 6), at group 128.
     `group_size` restricts every candidate to that group size. Act-order candidates fall back to
-    column order when the conversion runs without act-order."""
+    column order when the conversion runs without act-order. low_bits (budgets below
+    LOW_BITS_BELOW bpw): also the table-coded candidates that only pay there."""
     groups = (32, 64, 128) if group_size is None else (group_size,)
     # 2 and 3 bits with fp16 scales only at group 128: at 32 and 64 their coded twins below cost
     # half the scale bits for nearly the same error
@@ -144,7 +145,21 @@ def default_candidates(group_size: int | None = None) -> list[Candidate]:
         # index bits was never chosen at 4.25 and cost conversion time: dropped.)
         cands += [Candidate(((1.0, 4),), 32, act_order=False, table=t) for t in ((4, 5), (4, 6))]
         cands.append(Candidate(((1.0, 3),), 32, table=(4, 4)))
+    if low_bits:
+        # table codes at 2 and 3 bits, groups 32 / 64 (~2.1-3.1 bpw: a 3.25 budget then need not
+        # drop a quarter of the matrices to 2 bits), and a 4 / 3 mix at group 64. Measured on
+        # SmolLM2: predicted error at 3.25 -7.5%, at 2.5 -10%, at 4.25 -0.4% for ~10 s of
+        # measurement each, so only low budgets measure them.
+        table_groups = tuple(g for g in groups if g in (32, 64))
+        cands += [Candidate(((1.0, 3),), g, table=(4, 4)) for g in table_groups if g != 32]
+        cands += [Candidate(((1.0, 2),), g, table=(4, 4)) for g in table_groups]
+        if 64 in groups:
+            cands.append(Candidate(((0.25, 4), (0.75, 3)), 64, table=(4, 4)))
     return cands
+
+
+# budgets below this many bits per weight measure default_candidates(low_bits=True)
+LOW_BITS_BELOW = 4.0
 
 
 def storage_bits(cand: Candidate, n: int, k: int, act_order: bool) -> int:
@@ -220,8 +235,8 @@ def _sweep(
 
     Inside a block, a column (or a starting group's columns) takes the block's earlier errors when
     it is reached, as one product with them, instead of every remaining column of the block being
-    updated after each column: GPTQ's arithmetic in another order, with a quarter of the memory
-    traffic; the rest of K takes each block's errors in one in-place product."""
+    updated after each column (GPTQ's arithmetic in another order, reading the errors instead of
+    rewriting the block); the rest of K takes each block's errors in one in-place product."""
     rows_n, k = weight.shape
     c = len(candidates)
     maxq, jobs = _group_jobs(weight, candidates)
