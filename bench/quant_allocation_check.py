@@ -7,8 +7,8 @@ KL really measured on held-out text; also uniform RTN beside uniform GPTQ at the
         --text lee_background.cor --windows 4
 
 --measure is a converter measurement cache directory (calibration.json + measure/layer_*.json,
-written by `halfbyte convert` / bench/quant_quality.py with a measure cache); the settings it
-was measured with must be the defaults (default_candidates(), act-order allowed). GPTQ here is
+written by `halfbyte convert` / bench/quant_quality.py with a measure cache); its candidates are
+read from the cache's settings.json (act-order allowed). GPTQ here is
 the converter's quantization pass (true-sequential on the cache's calibration windows), done in
 memory; the weights are swapped into the float model as dequantized values.
 """
@@ -29,7 +29,7 @@ from halfbyte.model.loader import load_pretrained
 from halfbyte.model.rope import RotaryEmbedding
 from halfbyte.quant.convert import UNITS, TensorSource, _unit_shapes, read_layer, run_layer
 from halfbyte.quant.evaluate import eval_windows, read_eval_text
-from halfbyte.quant.measure import Candidate, allocate, default_candidates, quantize_candidate, storage_bits
+from halfbyte.quant.measure import Candidate, allocate, quantize_candidate, storage_bits
 from halfbyte.quant.rtn import quantize_rtn
 
 
@@ -79,7 +79,8 @@ def main() -> None:
     cfg = ModelConfig.from_hf(read_json(model_dir / "config.json"))
     mdir = Path(args.measure)
     calib = json.loads((mdir / "calibration.json").read_text())
-    cands = default_candidates()
+    # the list the cache was measured with (a budget below 4 bpw measures extra candidates)
+    cands = [Candidate.from_json(c) for c in json.loads((mdir / "settings.json").read_text())["candidates"]]
     by_name = {c.name: c for c in cands} | {c.name + " seq": Candidate(c.parts, c.group_size, False) for c in cands}
     shapes = _unit_shapes(cfg)
     prefixes, costs, errs = [], [], []
