@@ -203,14 +203,14 @@ class _GroupJob:
 
 
 def _group_jobs(weight: torch.Tensor, candidates: list[Candidate]) -> tuple[torch.Tensor, dict[int, list[_GroupJob]]]:
-    """Per candidate and stored column its max q [C, K]; per column the groups starting there."""
+    """Per stored column and candidate its max q [K, C]; per column the groups starting there."""
     k = weight.shape[1]
-    maxq = torch.empty(len(candidates), k)
+    maxq = torch.empty(k, len(candidates))
     jobs: dict[int, list[_GroupJob]] = {}
     plain: dict[tuple[int, int, int], _GroupJob] = {}
     for ci, cand in enumerate(candidates):
         for k0, k1, bits, gs in cand.slices(k):
-            maxq[ci, k0:k1] = (1 << bits) - 1
+            maxq[k0:k1, ci] = (1 << bits) - 1
             codes = grid_steps(weight[:, k0:k1], bits, gs) if cand.scale_codes else None
             tables = fit_tables(weight[:, k0:k1], bits, gs, *cand.table) if cand.table is not None else None
             for g0 in range(k0, k1, gs):
@@ -240,8 +240,7 @@ def _sweep(
     rewriting the block); the rest of K takes each block's errors in one in-place product."""
     rows_n, k = weight.shape
     c = len(candidates)
-    maxq, jobs = _group_jobs(weight, candidates)
-    maxq = maxq.t().contiguous()  # [K, C]
+    maxq, jobs = _group_jobs(weight, candidates)  # [K, C], per column
     hdiag = torch.diag(h)  # [K] input energies, stored order
     # columns first, then candidates ([K, C, n]): a column is one contiguous [C, n] tile and the
     # lazy update of the rest of K is a single [K', B] x [B, C * n] product
