@@ -113,6 +113,8 @@ def main() -> None:
                     help="sweep only gemv_w4's one-row settings, including tiles of one group (block_kw 8, 16)")
     ap.add_argument("--pairs", action="store_true", help="one row: gemv_w4 with pair_rows beside the default, same call")
     ap.add_argument("--sweep-b16", action="store_true", help="sweep only the 16-row gemm_w4 settings, with K splits")
+    ap.add_argument("--no-read-ceiling", action="store_true",
+                    help="skip timing a plain read of each shape's bytes (bench/read_ceiling.py)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -206,6 +208,13 @@ def main() -> None:
                        w4_config=cfg, w4_config16=cfg16, w4_config64=cfg64)
         dense = [(torch.randn(n, k, device="cuda", dtype=torch.float16),) for _ in range(max(1, -(-240_000_000 // (n * k * 2))))]
         row["trials"] = trials
+        if not args.no_read_ceiling:  # the fastest one-launch read of the same bytes, same harness
+            from read_ceiling import read_ceiling_time
+
+            t_read, cfg_read = read_ceiling_time(nbytes, rotated_time)
+            row.update(read_us=t_read * 1e6, read_pct_copy=100 * nbytes / t_read / 1e9 / copy_gbs, read_config=cfg_read)
+            if "w4_t1_us" in row:
+                row["w4_pct_of_read"] = 100 * t_read * 1e6 / row["w4_t1_us"]
         row["fp16_linear_us"] = rotated_time(lambda w: torch.nn.functional.linear(x1, w), dense) * 1e6
         del dense, copies
         rows.append(row)
@@ -214,14 +223,16 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s (in a graph {copy_graph_gbs:.0f}), read-only (sum) {read_gbs:.0f} GB/s; {args.bits}-bit g{args.group}; {result['device']}")
-    print(f"(%copy: of this run's copy; %4161: of GPU.md's {GPU_MD_COPY_GBS:.0f} GB/s)")
+    print(f"(%copy: of this run's copy; %4161: of GPU.md's {GPU_MD_COPY_GBS:.0f} GB/s; read: the fastest one-launch "
+          "read of the same bytes, same harness; w4 %read: read time / w4 time)")
     print(f"{'shape':<12}{'us b1':>8}{'%copy':>7}{'b16/b1':>8}{'w4 us b1':>10}{'w4 %copy':>10}{'%4161':>7}{'w4 b16/b1':>10}"
-          f"{'w4 b64 us':>10}{'fp16 us':>9}  w4 config b1 | b16")
+          f"{'w4 b64 us':>10}{'fp16 us':>9}{'read us':>9}{'read %copy':>11}{'w4 %read':>9}  w4 config b1 | b16")
     for r in rows:
         w4 = (f"{r['w4_t1_us']:>10.1f}{r['w4_pct_copy']:>10.1f}{r['w4_pct_4161']:>7.1f}{r['w4_t16_over_t1']:>10.2f}"
               if "w4_t1_us" in r else f"{'-':>10}{'-':>10}{'-':>7}{'-':>10}")
         print(f"{r['shape']:<12}{r['t1_us']:>8.1f}{r['pct_copy']:>7.1f}{r['t16_over_t1']:>8.2f}{w4}{r.get('w4_t64_us', 0):>10.1f}"
-              f"{r['fp16_linear_us']:>9.1f}  {r.get('w4_config')} | {r.get('w4_config16')} | {r.get('w4_config64')}")
+              f"{r['fp16_linear_us']:>9.1f}{r.get('read_us', float('nan')):>9.1f}{r.get('read_pct_copy', float('nan')):>11.1f}"
+              f"{r.get('w4_pct_of_read', float('nan')):>9.1f}  {r.get('w4_config')} | {r.get('w4_config16')} | {r.get('w4_config64')}")
     if args.pairs:
         for r in rows:
             one = [tr for tr in r["trials"] if tr["rows"] == 1 and tr["kernel"] == "w4"]

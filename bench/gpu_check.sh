@@ -4,7 +4,8 @@
 #   steps: tests (kernels vs references), parity (GPU vs CPU engine on SmolLM2, batched vs alone),
 #   decode (8B batch-1 decode + prefill), gemv (per-shape GB/s), sampling, tp (tensor-parallel 1
 #   vs plain), serving (issue 5's GPU cases), triton_prefill (the opt-in prefill attention kernel),
-#   decode_nopdl / profile64_nopdl / gemv_nopdl (the same with HALFBYTE_PDL=0), exl2 (exllamav2 0.3.2 on a GPTQ checkpoint of the same shape, after decode: ratios).
+#   decode_nopdl / profile64_nopdl / gemv_nopdl (the same with HALFBYTE_PDL=0), exl2 (exllamav2 0.3.2 on a GPTQ checkpoint of the same shape, after decode: ratios),
+#   exl2q (exllamav2's converter on SmolLM2 at issue 3's budgets: ppl / KL beside halfbyte's; GGUF parts + .evaltext).
 #   Default: tests parity decode gemv; FULL=1: every step. Each step has a timeout so one hang
 #   cannot eat the call. parity needs the default GGUF split into .gguf_a/part + .gguf_b/part
 #   (carried in two back-to-back calls, see BENCHMARKS.md) and the gguf wheel in .whl/.
@@ -30,9 +31,13 @@ step_tests() {  # natively here; CI runs the same tests in Triton's interpreter
 # the two GGUF halves travel in two calls (64 MiB each); the first half waits in /tmp, which
 # outlives a call on a warm machine (a carried folder not named again does not)
 [ -f .gguf_a/part ] && cp .gguf_a/part /tmp/halfbyte_gguf_a
+assemble_gguf() {  # -> /tmp/smollm2.gguf from the two halves, or false
+  [ -f /tmp/smollm2.gguf ] && return 0
+  [ -f /tmp/halfbyte_gguf_a ] && [ -f .gguf_b/part ] && cat /tmp/halfbyte_gguf_a .gguf_b/part > /tmp/smollm2.gguf.part \
+    && mv /tmp/smollm2.gguf.part /tmp/smollm2.gguf
+}
 step_parity() {
-  if [ -f /tmp/halfbyte_gguf_a ] && [ -f .gguf_b/part ]; then
-    cat /tmp/halfbyte_gguf_a .gguf_b/part > /tmp/smollm2.gguf
+  if assemble_gguf; then
     timeout 300 python3 bench/gpu_parity.py --model /tmp/smollm2.gguf --json "$OUT/parity.json" 2>&1 | tail -5
   else
     echo "parity: NOT RUN (the GGUF parts are not both here)"
@@ -46,6 +51,14 @@ step_decode_nopdl() {  # the same decode without programmatic dependent launch (
 }
 step_exl2() {  # after decode in the same call: STEPS="decode exl2"; needs .whl/exllamav2-0.3.2-py3-none-any.whl
   timeout 480 python3 bench/exllamav2_compare.py --json "$OUT/exl2.json" --halfbyte-json "$OUT/decode_8b.json" 2>&1 | tail -8
+}
+step_exl2q() {  # exllamav2's converter on SmolLM2 at issue 3's budgets; needs the GGUF halves and .evaltext/windows.json
+  if assemble_gguf; then
+    timeout "${EXL2Q_TIMEOUT:-540}" python3 bench/exl2_quality.py --gguf /tmp/smollm2.gguf --budgets "${EXL2Q_BUDGETS:-4.25,3.25,2.5}" \
+      --json "$OUT/exl2_quality.json" 2>&1 | tail -8
+  else
+    echo "exl2q: NOT RUN (the GGUF parts are not both here)"
+  fi
 }
 step_profile64() {
   timeout 150 python3 bench/decode.py --shape llama3-8b --profile-batch 64 --context 512 > "$OUT/profile64.txt" 2>&1
