@@ -129,8 +129,10 @@ def decode(model: LlamaModel, pool: PagePool, graphs: CudaGraphDecoder | None, c
     return steps / (time.perf_counter() - start)
 
 
-def _setup(model: LlamaModel, context: int, steps: int, dtype: torch.dtype, use_graphs: bool) -> tuple[PagePool, CudaGraphDecoder | None]:
-    pool = PagePool(model.cfg, -(-(context + steps) // PAGE) + 1, PAGE, dtype, model.device)
+def _setup(model: LlamaModel, context: int, steps: int, dtype: torch.dtype, use_graphs: bool,
+           kv_tokens: int = 0) -> tuple[PagePool, CudaGraphDecoder | None]:
+    """The KV pool holds max(kv_tokens, context + steps) tokens (each rank: its KV heads)."""
+    pool = PagePool(model.cfg, -(-max(kv_tokens, context + steps) // PAGE) + 1, PAGE, dtype, model.device)
     graphs = None
     if use_graphs and model.device.type == "cuda":
         graphs = CudaGraphDecoder(model, pool.kv_caches, 1, context + steps + PAGE, pool.scratch_page)
@@ -147,6 +149,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best of each is reported")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode only")
+    ap.add_argument("--kv-tokens", type=int, default=0, help="size the KV pool for this many tokens (memory per rank)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base = torch.device(args.device)
@@ -186,7 +189,8 @@ def main() -> None:
     groups = init_groups(rank, world, dev, None)
     comm = Collectives(groups.compute, rank, world)
     model = parallel_model(cfg, args.bits, args.group, dtype, dev, rank, world, comm)
-    pool, graphs = _setup(model, args.context, args.steps, dtype, use_graphs)
+    pool, graphs = _setup(model, args.context, args.steps, dtype, use_graphs, args.kv_tokens)
+    kv_bytes = sum(t.numel() * t.element_size() for layer in pool.kv_caches for t in layer)
     best = max(decode(model, pool, graphs, args.context, args.steps) for _ in range(args.repeats))
     comm.timed = True  # an eager pass with synchronized timing around each collective
     comm.reset()
@@ -195,12 +199,15 @@ def main() -> None:
     seconds, calls = comm.reset()
     mem = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
     per_rank = [None] * world
-    torch.distributed.all_gather_object(per_rank, {"rank": rank, "peak_bytes": mem}, group=groups.control)
+    torch.distributed.all_gather_object(per_rank, {"rank": rank, "peak_bytes": mem, "kv_bytes": kv_bytes},
+                                        group=groups.control)
     if rank == 0:
         results.update({"tensor_parallel_size": world, "tok_s": round(best, 2),
                         # the timed pass includes prefill's collectives: per decode step, roughly
                         "collective_ms_per_step": round(1000 * seconds / (timed_steps + 1), 3),
                         "collectives_per_step": round(calls / (timed_steps + 1), 1),
+                        "kv_pool_tokens": (pool.num_pages - 1) * PAGE,
+                        "kv_pool_gib_per_rank": [round(r["kv_bytes"] / 2**30, 2) for r in per_rank],
                         "peak_memory_gib_per_rank": [round(r["peak_bytes"] / 2**30, 2) for r in per_rank]})
         print(json.dumps(results))
         if args.json:
