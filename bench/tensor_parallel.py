@@ -157,6 +157,8 @@ def main() -> None:
     cfg = shape_config(args.shape, max_position_embeddings=max(8192, args.context + args.steps + PAGE))
     use_graphs = not args.no_graphs and base.type == "cuda"
     results: dict[str, object] = {"shape": args.shape, "bits": args.bits, "group": args.group,
+                                  "all_reduce": os.environ.get("HALFBYTE_TP_ALLREDUCE", "nccl"),
+                                  "nccl_proto": os.environ.get("NCCL_PROTO", "default"),
                                   "context": args.context, "steps": args.steps, "graphs": use_graphs}
 
     if not launched_by_torchrun():  # one device: plain vs tensor_parallel_size 1, same weights
@@ -187,7 +189,7 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dev = base if base.type == "cpu" else torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     groups = init_groups(rank, world, dev, None)
-    comm = Collectives(groups.compute, rank, world)
+    comm = Collectives.for_ranks(groups.compute, rank, world, dev, dtype)
     model = parallel_model(cfg, args.bits, args.group, dtype, dev, rank, world, comm)
     pool, graphs = _setup(model, args.context, args.steps, dtype, use_graphs, args.kv_tokens)
     kv_bytes = sum(t.numel() * t.element_size() for layer in pool.kv_caches for t in layer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -27,8 +28,7 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
                      num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
 
 
-def run(model_dir: Path, tp: int | None, tokens: int, device: str) -> tuple[torch.Tensor, list[list[int]], list[dict]]:
-    dtype = "float16" if device == "cuda" else "float32"
+def run(model_dir: Path, tp: int | None, tokens: int, device: str, dtype: str) -> tuple[torch.Tensor, list[list[int]], list[dict]]:
     engine = LLMEngine(model_dir, dtype=dtype, device=device, tensor_parallel_size=tp)
     try:
         logits = score_tokens(engine.model, PROMPTS[0], chunk=16).cpu()
@@ -43,22 +43,26 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--tokenizer-dir", default=".evaltext/tokenizer")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script (gloo, fp32)")
+    ap.add_argument("--dtype", default=None, help="float16 (CUDA default) or float32 (with HALFBYTE_REFERENCE=1 on CUDA: "
+                    "the torch references, so only the split and NCCL differ from one process)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    dtype = args.dtype or ("float16" if args.device == "cuda" else "float32")
     work = Path(tempfile.mkdtemp())
     src = make_random_llama(work / "src", Path(args.tokenizer_dir), **SMOLLM2_SHAPE)
     model_dir = quantize_dir(src, work / "q4", bits=4, group=32, act_order=True)
-    ref_logits, ref_greedy, _ = run(model_dir, None, args.tokens, args.device)
+    ref_logits, ref_greedy, _ = run(model_dir, None, args.tokens, args.device, dtype)
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     result: dict[str, object] = dict(device=torch.cuda.get_device_name() if gpus else args.device, gpus=gpus,
-                                     torch=torch.__version__, model="random 4-bit g32, SmolLM2 shape, act-order",
+                                     torch=torch.__version__, dtype=dtype,
+                                     reference_kernels=os.environ.get("HALFBYTE_REFERENCE") == "1", model="random 4-bit g32, SmolLM2 shape, act-order",
                                      prompts=len(PROMPTS), tokens_per_prompt=args.tokens, sizes={})
     for tp in (int(s) for s in args.sizes.split(",")):
         if args.device == "cuda" and tp > gpus:
             result["sizes"][tp] = {"not_run": f"{gpus} GPUs"}  # type: ignore[index]
             print(f"tensor_parallel_size {tp}: NOT RUN ({gpus} GPUs)")
             continue
-        logits, greedy, memory = run(model_dir, tp, args.tokens, args.device)
+        logits, greedy, memory = run(model_dir, tp, args.tokens, args.device, dtype)
         same = sum(a == b for a, b in zip(greedy, ref_greedy))
         row = dict(greedy_identical_prompts=same, max_abs_logit_diff=float((logits - ref_logits).abs().max()),
                    top1_agreement=float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),

@@ -10,10 +10,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from halfbyte.distributed.symm_all_reduce import SymmAllReduce, make_symm_all_reduce
+
 
 class Collectives:
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, timed: bool = False) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, timed: bool = False,
+                 symm: SymmAllReduce | None = None) -> None:
         self.group = group
+        self.symm = symm  # small all-reduces through symmetric memory (symm_all_reduce.py), else NCCL
         self.rank = rank
         self.world_size = world_size
         self.timed = timed
@@ -25,12 +29,21 @@ class Collectives:
             torch.cuda.synchronize(t.device)
         return time.perf_counter()
 
+    @classmethod
+    def for_ranks(cls, group: dist.ProcessGroup, rank: int, world_size: int, device: torch.device,
+                  dtype: torch.dtype, timed: bool = False) -> Collectives:
+        """Every rank calls this at the same point (the symmetric buffer's rendezvous is collective)."""
+        return cls(group, rank, world_size, timed, make_symm_all_reduce(group, device, dtype) if world_size > 1 else None)
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place; returns t."""
+        """Sum over ranks; use the result: t itself (NCCL, in place) or a new tensor (symmetric memory)."""
         if self.world_size == 1:
             return t
         start = self._clock(t) if self.timed else 0.0
-        dist.all_reduce(t, group=self.group)
+        if self.symm is not None and self.symm.fits(t):
+            t = self.symm(t)
+        else:
+            dist.all_reduce(t, group=self.group)
         self._count(t, start)
         return t
 

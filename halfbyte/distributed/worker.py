@@ -36,7 +36,7 @@ class ShardSpec:
 def load_status(spec: ShardSpec, groups: Groups, device: torch.device) -> tuple[ParallelLlamaModel | None, list[Any]]:
     """Load this rank's shard; every rank learns every rank's outcome (an error text or None),
     so that a failure on one rank fails all of them instead of hanging the others."""
-    comm = Collectives(groups.compute, groups.rank, groups.world_size, spec.timed)
+    comm = Collectives.for_ranks(groups.compute, groups.rank, groups.world_size, device, spec.dtype, spec.timed)
     model: ParallelLlamaModel | None = None
     error: Any = None
     try:

@@ -28,7 +28,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in_local] -> [T, out]
         y = torch.mm(x, self.weight) if self.transposed else F.linear(x, self.weight)
-        self.comm.all_reduce(y)
+        y = self.comm.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
 
@@ -64,5 +64,5 @@ class RowParallelQuantLinear(torch.nn.Module):
             y: torch.Tensor = self.inner(x)
         else:
             y = torch.zeros(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        self.comm.all_reduce(y)
+        y = self.comm.all_reduce(y)
         return y + self.bias if self.bias is not None else y
