@@ -5,7 +5,8 @@
 #   decode (8B batch-1 decode + prefill), gemv (per-shape GB/s), sampling, tp (tensor-parallel 1
 #   vs plain), serving (issue 5's GPU cases), triton_prefill (the opt-in prefill attention kernel),
 #   decode_nopdl / profile64_nopdl / gemv_nopdl (the same with HALFBYTE_PDL=0), exl2 (exllamav2 0.3.2 on a GPTQ checkpoint of the same shape, after decode: ratios),
-#   tp9 (issue 9, >= 2 GPUs: tensor-parallel parity and decode scaling, .evaltext/tokenizer carried),
+#   tp9 (issue 9, >= 2 GPUs: tensor-parallel parity and decode scaling per all-reduce, .evaltext/tokenizer
+#   carried; TP_SHAPES / TP_ALLREDUCE / TP_PARITY=0 split it over calls),
 #   exl2q (exllamav2's converter on SmolLM2 at issue 3's budgets: ppl / KL beside halfbyte's; GGUF parts + .evaltext).
 #   Default: tests parity decode gemv; FULL=1: every step. Each step has a timeout so one hang
 #   cannot eat the call. parity needs the default GGUF split into .gguf_a/part + .gguf_b/part
@@ -84,17 +85,21 @@ step_tp() {
   timeout 150 python3 bench/tensor_parallel.py --shape llama3-8b --bits 4 --group 128 --steps 128 --repeats 3 \
     --json "$OUT/tp.json" 2>&1 | tail -6
 }
-step_tp9() {  # issue 9, on a machine with >= 2 GPUs: engine parity at TP_SIZES, then decode at 1 and TP_SIZES ranks
+step_tp9() {  # issue 9, >= 2 GPUs: engine parity, then decode at 1 and TP_SIZES ranks, per all-reduce (TP_ALLREDUCE)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # NVLink multicast off (GPU machine notes)
-  local sizes=${TP_SIZES:-2}
-  timeout 300 python3 bench/tp_parity.py --sizes "$sizes" --json "$OUT/tp_parity.json" 2>&1 | tee "$OUT/tp_parity.log" | grep -E "tensor_parallel_size|Error|error" | tail -4
-  for shape in llama3-8b llama3-70b; do
+  local sizes=${TP_SIZES:-2} modes=${TP_ALLREDUCE:-"nccl symm"}
+  for mode in $modes; do
+    [ "${TP_PARITY:-1}" = 1 ] && HALFBYTE_TP_ALLREDUCE=$mode timeout 300 python3 bench/tp_parity.py --sizes "$sizes" \
+      --json "$OUT/tp_parity_$mode.json" 2>&1 | tee "$OUT/tp_parity_$mode.log" | grep -E "tensor_parallel_size|Error" | tail -4
+  done
+  for shape in ${TP_SHAPES:-llama3-8b llama3-70b}; do
     local kv=0
     [ "$shape" = llama3-70b ] && kv=32768  # the 70B shape with a 32k-token KV pool: memory per GPU
-    for n in 1 ${sizes//,/ }; do
-      timeout 240 python3 -m torch.distributed.run --nproc-per-node "$n" bench/tensor_parallel.py --shape "$shape" \
-        --bits 4 --group 128 --steps 128 --repeats 3 --kv-tokens "$kv" --json "$OUT/tp_${shape}_${n}.json" 2>&1 \
-        | tee "$OUT/tp_${shape}_${n}.log" | grep -E '^\{|Error' | tail -2
+    for run in 1:nccl $(for n in ${sizes//,/ }; do for m in $modes; do echo "$n:$m"; done; done); do
+      local n=${run%%:*} mode=${run##*:}
+      HALFBYTE_TP_ALLREDUCE=$mode timeout 240 python3 -m torch.distributed.run --nproc-per-node "$n" \
+        bench/tensor_parallel.py --shape "$shape" --bits 4 --group 128 --steps 128 --repeats 3 --kv-tokens "$kv" \
+        --json "$OUT/tp_${shape}_${n}_$mode.json" 2>&1 | tee "$OUT/tp_${shape}_${n}_$mode.log" | grep -E '^\{|Error' | tail -2
     done
   done
 }

@@ -214,6 +214,11 @@ def main() -> None:
         print(json.dumps(results))
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
+    # graphs that captured NCCL calls go before the communicator does: a 2-GPU run on the H200s
+    # printed its result and then hung until killed (2026-12-04)
+    del graphs, pool
+    _sync(dev)
+    torch.distributed.barrier(group=groups.control)
     destroy_groups()
 
 
