@@ -142,15 +142,29 @@ def test_bad_tune_steps_is_a_clear_error(tiny: Path, calib: Path, tmp_path: Path
 
 
 def test_default_tuning_only_where_it_pays_and_fits(tiny: Path) -> None:
-    """Below 4 bpw for small decoders; never by default for one too large to hold for a backward
-    pass (the converter's one-layer memory bound); --tune-steps overrides both."""
-    from halfbyte.quant.convert import TUNE_MAX_PARAMS, TUNE_STEPS, default_tune_steps
+    """Below 4 bpw for small decoders, with more calibration and ~3 passes over it; never by
+    default for one too large to hold for a backward pass (the converter's one-layer memory
+    bound); explicit options override every default."""
+    from halfbyte.quant.convert import (
+        CALIB_WINDOWS, SAMPLE_PROMPTS, TUNE_CALIB_WINDOWS, TUNE_MAX_PARAMS, TUNE_PASSES, TUNE_SAMPLE_PROMPTS,
+        resolve_defaults, tunes_by_default,
+    )
 
     small = ModelConfig.from_hf(read_json(tiny / "config.json"))
-    assert default_tune_steps(3.25, small) == TUNE_STEPS
-    assert default_tune_steps(4.25, small) == 0
+    assert tunes_by_default(3.25, small) and not tunes_by_default(4.25, small)
+    low = resolve_defaults(ConvertOptions(bits=3.25), small)
+    assert (low.sample_prompts, low.num_windows, low.steps()) == (
+        TUNE_SAMPLE_PROMPTS, TUNE_CALIB_WINDOWS, TUNE_PASSES * TUNE_CALIB_WINDOWS)
+    high = resolve_defaults(ConvertOptions(bits=4.25), small)
+    assert (high.sample_prompts, high.num_windows, high.steps()) == (SAMPLE_PROMPTS, CALIB_WINDOWS, 0)
+    assert SAMPLE_PROMPTS < TUNE_SAMPLE_PROMPTS  # the reason for the split
+    untuned = resolve_defaults(ConvertOptions(bits=3.25, tune_steps=0), small)  # --no-tune: the plain calibration
+    assert (untuned.sample_prompts, untuned.num_windows, untuned.steps()) == (SAMPLE_PROMPTS, CALIB_WINDOWS, 0)
+    forced = resolve_defaults(ConvertOptions(bits=4.25, tune_steps=5, num_windows=7, sample_prompts=3), small)
+    assert (forced.sample_prompts, forced.num_windows, forced.steps()) == (3, 7, 5)
     big = ModelConfig.from_hf({**read_json(tiny / "config.json"), "num_hidden_layers": 80, "hidden_size": 8192,
                                "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8})
     assert 80 * 8192 * 28672 * 3 > TUNE_MAX_PARAMS
-    assert default_tune_steps(2.5, big) == 0
+    assert not tunes_by_default(2.5, big)
+    assert resolve_defaults(ConvertOptions(bits=2.5), big).steps() == 0
     assert ConvertOptions(bits=2.5, tune_steps=5).steps() == 5

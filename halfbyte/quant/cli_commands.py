@@ -67,7 +67,8 @@ def add_subcommands(sub: Any) -> None:
     conv.add_argument("--calib", action="append", default=None, metavar="FILE",
                       help="calibration text: .txt, .jsonl (\"text\" field) or .parquet (repeatable); default: text sampled from the model")
     conv.add_argument("--calib-seq-len", type=_positive_int, default=512, help="tokens per calibration window")
-    conv.add_argument("--calib-windows", type=_positive_int, default=32, help="number of calibration windows")
+    conv.add_argument("--calib-windows", type=_positive_int, default=None,
+                      help="number of calibration windows (default: 32)")
     conv.add_argument("--group-size", type=int, default=None, help="fix the group size (32, 64 or 128); default: chosen per layer")
     conv.add_argument("--head-bits", type=int, default=None, help="also quantize the LM head at this many bits (default: dense)")
     conv.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
@@ -81,8 +82,8 @@ def add_subcommands(sub: Any) -> None:
                       "(default: on below 4 bits per weight for models up to 0.3B decoder weights, where it pays and fits; "
                       "--no-tune skips it, --tune-steps N forces it)")
     conv.add_argument("--tune-steps", type=_positive_int, default=None, metavar="N",
-                      help="end-to-end tuning steps, one calibration window each (default: 36 below 4 bpw for models up to 0.3B "
-                      "decoder weights, else 0)")
+                      help="end-to-end tuning steps, one calibration window each (default: 3 per window below 4 bpw for "
+                      "models up to 0.3B decoder weights, which then sample 96 calibration answers instead of 32; else 0)")
     conv.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     conv.set_defaults(func=_cmd_convert)
 

@@ -67,7 +67,14 @@ from halfbyte.quant.tune import TunableModel, tune
 _COPIED = ("generation_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
 
 
-TUNE_STEPS = 36  # three passes over the default 12 self-sampled windows
+CALIB_WINDOWS = 32  # calibration windows (of seq_len tokens) by default
+SAMPLE_PROMPTS = 32  # self-sampled answers without calibration files: ~5k tokens, 12 windows
+# When the conversion tunes, the tuning overfits ~6k tokens (calibration KL -50% at 4.25 bpw for
+# -1% on held-out text), so it samples more, and tunes for about TUNE_PASSES passes over them:
+# SmolLM2 3.25 bpw, 32 -> 96 prompts (12 -> 30 windows), held-out KL 0.607 -> 0.510 (BENCHMARKS.md).
+TUNE_SAMPLE_PROMPTS = 96
+TUNE_CALIB_WINDOWS = 32
+TUNE_PASSES = 3
 TUNE_BELOW = 4.0
 # The tuning stage holds the whole decoder for a backward pass (SmolLM2-135M: peak RSS 1.6 ->
 # 4.2 GiB, ~20 bytes per parameter), so by default it runs only for models small enough that this
@@ -87,11 +94,11 @@ class ConvertOptions:
     act_order: bool = True
     calib_files: tuple[str, ...] = ()
     seq_len: int = 512  # calibration window length, tokens
-    num_windows: int = 32
+    num_windows: int | None = None  # None: CALIB_WINDOWS, or TUNE_CALIB_WINDOWS when the conversion tunes
     # without calibration files the model writes its own text: sample_prompts answers (the generic
     # prompts, repeated with other seeds) of up to sample_tokens tokens; wide and short batches
-    # make the most tokens per second on a CPU
-    sample_prompts: int = 32
+    # make the most tokens per second on a CPU. None: SAMPLE_PROMPTS, or TUNE_SAMPLE_PROMPTS when tuning
+    sample_prompts: int | None = None
     sample_tokens: int = 160
     damp: float = 0.01
     # GPTQ's group grids: search clipped ranges for the least input-energy-weighted rounding error
@@ -102,9 +109,9 @@ class ConvertOptions:
     candidates: tuple[Candidate, ...] | None = None
     measure_cache: str | Path | None = None  # reuse calibration + measurement across budgets
     # end-to-end tuning of norms, scales and mins after quantization (tune.py): Adam steps over
-    # the calibration windows. None: default_tune_steps (TUNE_STEPS below TUNE_BELOW bpw, where it
-    # was measured to pay: SmolLM2 3.25 bpw held-out KL -8%, 4.25 only -1% for ~4 minutes; and only
-    # for decoders of at most TUNE_MAX_PARAMS weights)
+    # the calibration windows. None: TUNE_PASSES x num_windows where tunes_by_default (below
+    # TUNE_BELOW bpw, where it was measured to pay: SmolLM2 3.25 bpw held-out KL -8%, 4.25 only -1%
+    # for ~4 minutes; and only for decoders of at most TUNE_MAX_PARAMS weights), else 0
     tune_steps: int | None = None
     tune_lr_norm: float = 1e-3
     tune_lr_scale: float = 2e-4
@@ -119,10 +126,12 @@ class ConvertOptions:
             raise ConversionError(f"--group-size must be one of {ALLOWED_GROUP_SIZES}, got {self.group_size}")
         if self.head_bits is not None and self.head_bits not in SUPPORTED_BITS:
             raise ConversionError(f"--head-bits must be one of {SUPPORTED_BITS}, got {self.head_bits}")
-        if self.seq_len < 16 or self.num_windows < 1:
+        if self.seq_len < 16 or (self.num_windows is not None and self.num_windows < 1):
             raise ConversionError("calibration needs windows of at least 16 tokens and at least 1 window")
         if self.tune_steps is not None and (isinstance(self.tune_steps, bool) or not isinstance(self.tune_steps, int) or self.tune_steps < 0):
             raise ConversionError(f"--tune-steps must be an integer >= 0, got {self.tune_steps!r}")
+        if self.sample_prompts is not None and self.sample_prompts < 1:
+            raise ConversionError(f"sample_prompts must be at least 1, got {self.sample_prompts}")
 
     def candidate_list(self) -> list[Candidate]:
         """The candidates to measure: the given ones, or the defaults for the budget's range."""
@@ -135,10 +144,20 @@ class ConvertOptions:
         return self.tune_steps or 0
 
 
-def default_tune_steps(bits: float, cfg: ModelConfig) -> int:
-    """TUNE_STEPS below TUNE_BELOW bpw for decoders of at most TUNE_MAX_PARAMS weights, else 0."""
+def tunes_by_default(bits: float, cfg: ModelConfig) -> bool:
+    """Below TUNE_BELOW bpw, for decoders of at most TUNE_MAX_PARAMS weights."""
     params = cfg.num_layers * sum(n * k for n, k in _unit_shapes(cfg).values())
-    return TUNE_STEPS if bits < TUNE_BELOW and params <= TUNE_MAX_PARAMS else 0
+    return bits < TUNE_BELOW and params <= TUNE_MAX_PARAMS
+
+
+def resolve_defaults(opts: ConvertOptions, cfg: ModelConfig) -> ConvertOptions:
+    """The options with every None default decided for this model and budget (before the
+    fingerprint, so a resumed or cached conversion sees the same numbers)."""
+    tuning = tunes_by_default(opts.bits, cfg) if opts.tune_steps is None else opts.tune_steps > 0
+    windows = opts.num_windows or (TUNE_CALIB_WINDOWS if tuning else CALIB_WINDOWS)
+    prompts = opts.sample_prompts or (TUNE_SAMPLE_PROMPTS if tuning else SAMPLE_PROMPTS)
+    steps = opts.tune_steps if opts.tune_steps is not None else (TUNE_PASSES * windows if tuning else 0)
+    return dataclasses.replace(opts, num_windows=windows, sample_prompts=prompts, tune_steps=steps)
 
 
 @dataclass
@@ -172,7 +191,9 @@ def _calibration(model_dir: Path, tokenizer: Any, opts: ConvertOptions, docs: li
     if docs is not None:
         streams = calibration.tokenize_texts(docs, tokenizer)
     else:
+        assert opts.sample_prompts is not None  # resolve_defaults decided it
         streams = calibration.sample_model_tokens(model_dir, num_prompts=opts.sample_prompts, max_tokens=opts.sample_tokens)
+    assert opts.num_windows is not None
     return calibration.calibration_windows(streams, opts.seq_len, opts.num_windows, tokenizer.eos_token_id)
 
 
@@ -197,8 +218,7 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
     if "quantization" in hf_cfg:
         raise ConversionError(f"{model_dir} is already quantized; convert its float checkpoint")
     cfg = ModelConfig.from_hf(hf_cfg)
-    if opts.tune_steps is None:
-        opts = dataclasses.replace(opts, tune_steps=default_tune_steps(opts.bits, cfg))
+    opts = resolve_defaults(opts, cfg)
     cands = opts.candidate_list()
     _check_budget(cfg, cands, opts)
     docs = calibration.read_calibration_texts(opts.calib_files) if opts.calib_files else None
