@@ -82,8 +82,8 @@ def add_subcommands(sub: Any) -> None:
                       "(default: on below 4 bits per weight for models up to 0.3B decoder weights, where it pays and fits; "
                       "--no-tune skips it, --tune-steps N forces it)")
     conv.add_argument("--tune-steps", type=_positive_int, default=None, metavar="N",
-                      help="end-to-end tuning steps, one calibration window each (default: 3 per window below 4 bpw for "
-                      "models up to 0.3B decoder weights, which then sample 96 calibration answers instead of 32; else 0)")
+                      help="end-to-end tuning steps, one calibration window each (default: 90 below 4 bpw for models up to "
+                      "0.3B decoder weights, which then sample 96 calibration answers instead of 32; else 0)")
     conv.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     conv.set_defaults(func=_cmd_convert)
 

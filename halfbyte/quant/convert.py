@@ -70,11 +70,12 @@ _COPIED = ("generation_config.json", "special_tokens_map.json", "chat_template.j
 CALIB_WINDOWS = 32  # calibration windows (of seq_len tokens) by default
 SAMPLE_PROMPTS = 32  # self-sampled answers without calibration files: ~5k tokens, 12 windows
 # When the conversion tunes, the tuning overfits ~6k tokens (calibration KL -50% at 4.25 bpw for
-# -1% on held-out text), so it samples more, and tunes for about TUNE_PASSES passes over them:
-# SmolLM2 3.25 bpw, 32 -> 96 prompts (12 -> 30 windows), held-out KL 0.607 -> 0.510 (BENCHMARKS.md).
+# -1% on held-out text), so it samples more and tunes longer (a little under three passes):
+# SmolLM2 3.25 bpw, 32 -> 96 prompts (12 -> 32 windows), 36 -> 90 steps: held-out KL 0.607 -> 0.510
+# (BENCHMARKS.md).
 TUNE_SAMPLE_PROMPTS = 96
 TUNE_CALIB_WINDOWS = 32
-TUNE_PASSES = 3
+TUNE_STEPS = 90
 TUNE_BELOW = 4.0
 # The tuning stage holds the whole decoder for a backward pass (SmolLM2-135M: peak RSS 1.6 ->
 # 4.2 GiB, ~20 bytes per parameter), so by default it runs only for models small enough that this
@@ -109,7 +110,7 @@ class ConvertOptions:
     candidates: tuple[Candidate, ...] | None = None
     measure_cache: str | Path | None = None  # reuse calibration + measurement across budgets
     # end-to-end tuning of norms, scales and mins after quantization (tune.py): Adam steps over
-    # the calibration windows. None: TUNE_PASSES x num_windows where tunes_by_default (below
+    # the calibration windows. None: TUNE_STEPS where tunes_by_default (below
     # TUNE_BELOW bpw, where it was measured to pay: SmolLM2 3.25 bpw held-out KL -8%, 4.25 only -1%
     # for ~4 minutes; and only for decoders of at most TUNE_MAX_PARAMS weights), else 0
     tune_steps: int | None = None
@@ -156,7 +157,7 @@ def resolve_defaults(opts: ConvertOptions, cfg: ModelConfig) -> ConvertOptions:
     tuning = tunes_by_default(opts.bits, cfg) if opts.tune_steps is None else opts.tune_steps > 0
     windows = opts.num_windows or (TUNE_CALIB_WINDOWS if tuning else CALIB_WINDOWS)
     prompts = opts.sample_prompts or (TUNE_SAMPLE_PROMPTS if tuning else SAMPLE_PROMPTS)
-    steps = opts.tune_steps if opts.tune_steps is not None else (TUNE_PASSES * windows if tuning else 0)
+    steps = opts.tune_steps if opts.tune_steps is not None else (TUNE_STEPS if tuning else 0)
     return dataclasses.replace(opts, num_windows=windows, sample_prompts=prompts, tune_steps=steps)
 
 
