@@ -101,3 +101,23 @@ def test_bad_text_and_budget_are_clear_errors(tiny: Path, tmp_path: Path, capsys
     assert _run(["convert", "--model", str(tiny), "--out", str(tmp_path / "o"), "--bits", "1.5"]) == 1
     assert "--bits" in capsys.readouterr().out
     assert not (tmp_path / "o").exists()
+
+
+def test_convert_flags_reach_the_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--calib-samples / --calib-windows / --no-tune as ConvertOptions; unset ones stay None so
+    the converter decides them for the budget (resolve_defaults)."""
+    import halfbyte.quant.convert as convert_module
+
+    seen: list[object] = []
+
+    def fake_convert(model: object, out: object, opts: object) -> object:
+        seen.append(opts)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(convert_module, "convert", fake_convert)
+    for extra in (["--calib-samples", "7", "--calib-windows", "5", "--no-tune"], []):
+        with pytest.raises(SystemExit):
+            _run(["convert", "--model", "m", "--out", str(tmp_path / "o"), "--bits", "3.25", *extra])
+    given, default = seen
+    assert (given.sample_prompts, given.num_windows, given.tune_steps) == (7, 5, 0)  # type: ignore[attr-defined]
+    assert (default.sample_prompts, default.num_windows, default.tune_steps) == (None, None, None)  # type: ignore[attr-defined]
