@@ -3,7 +3,9 @@ the engine: greedy continuations and teacher-forced logits, fp16, on a random 4-
 SmolLM2's shape (9 heads: uneven head split at 2 ranks; act-order on the row-parallel matrices),
 built with the same helpers as tests/test_tensor_parallel.py (which checks the same on the CPU).
 
-Usage (a machine with >= 2 GPUs; the tokenizer files of the default model in --tokenizer-dir):
+Usage (a machine with >= 2 GPUs; the tokenizer files of the default model in --tokenizer-dir,
+here: mkdir -p .evaltext/tokenizer && cp ~/.cache/halfbyte/models/SmolLM2-135M-Instruct/{tokenizer.json,
+tokenizer_config.json,generation_config.json} .evaltext/tokenizer/, then carry .evaltext):
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 bench/tp_parity.py --sizes 2 --json OUT
 Fewer GPUs than a size asks for: that size is reported NOT RUN, never as passed."""
 
