@@ -67,7 +67,8 @@ def test_fits_checks_device_dtype_layout_size_and_alignment() -> None:
         assert not s.fits(torch.empty(8192, dtype=torch.float32, device=dev))  # another dtype than the buffer's
         assert not s.fits(torch.empty(8, 64, dtype=torch.float16, device=dev).t())  # not contiguous
         assert not s.fits(torch.empty(MAX_BYTES, dtype=torch.float16, device=dev))  # larger than the buffer
-        assert not s.fits(torch.empty(3, dtype=torch.float16, device=dev))  # 6 bytes: not 16-byte aligned
+        assert not s.fits(torch.empty(3, dtype=torch.float16, device=dev))  # 6 bytes: not whole 16-byte vectors
+        assert not s.fits(torch.empty(8200, dtype=torch.float16, device=dev)[1:8193])  # starts 2 bytes in
 
 
 def test_cpu_and_the_default_stay_on_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,9 @@ class SymmAllReduce:
 
     def fits(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
-        return t.is_cuda and t.dtype == self.buffer.dtype and t.is_contiguous() and nbytes <= MAX_BYTES and nbytes % 16 == 0
+        # the kernel moves 16-byte vectors and wants the input aligned as the buffer is
+        return (t.is_cuda and t.dtype == self.buffer.dtype and t.is_contiguous() and nbytes <= MAX_BYTES
+                and nbytes % 16 == 0 and t.data_ptr() % 16 == 0)
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, as a new tensor (the op's output must not alias its input)."""
