@@ -113,6 +113,9 @@ def main() -> None:
                     help="sweep only gemv_w4's one-row settings, including tiles of one group (block_kw 8, 16)")
     ap.add_argument("--pairs", action="store_true", help="one row: gemv_w4 with pair_rows beside the default, same call")
     ap.add_argument("--sweep-b16", action="store_true", help="sweep only the 16-row gemm_w4 settings, with K splits")
+    ap.add_argument("--sweep-split", action="store_true",
+                    help="one row: gemv_w4 with 16-64 K splits and 8 warps, many more programs per SM (the read "
+                    "ceiling's best grids run 16 programs x 8 warps per SM)")
     ap.add_argument("--no-read-ceiling", action="store_true",
                     help="skip timing a plain read of each shape's bytes (bench/read_ceiling.py)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -178,6 +181,9 @@ def main() -> None:
                 grid1 += [dict(pair_rows=True)] + [dict(block_n=bn, block_kw=kw, num_warps=w, split_k=sk, pair_rows=True)
                                                    for (bn, kw, w), sk in itertools.product(
                                                        ((64, 32, 4), (64, 64, 8), (128, 32, 8), (256, 32, 8)), (None, 8))]
+            if args.sweep_split:
+                grid1 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=2, pair_rows=pr)
+                          for bn, kw, sk, w, pr in itertools.product((128, 256), (8, 16), (16, 32, 64), (4, 8), (False, True))]
             grid16 = list(grid_m)
             if args.sweep_b16:
                 grid16 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st) for bn, kw, sk, st, w in
