@@ -104,8 +104,8 @@ def test_bad_text_and_budget_are_clear_errors(tiny: Path, tmp_path: Path, capsys
 
 
 def test_convert_flags_reach_the_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--calib-samples / --calib-windows / --no-tune as ConvertOptions; unset ones stay None so
-    the converter decides them for the budget (resolve_defaults)."""
+    """--calib-samples / --calib-windows / --no-tune as ConvertOptions; unset samples and tuning
+    stay None so the converter decides them for the budget (resolve_defaults)."""
     import halfbyte.quant.convert as convert_module
 
     seen: list[object] = []
@@ -120,4 +120,4 @@ def test_convert_flags_reach_the_options(tmp_path: Path, monkeypatch: pytest.Mon
             _run(["convert", "--model", "m", "--out", str(tmp_path / "o"), "--bits", "3.25", *extra])
     given, default = seen
     assert (given.sample_prompts, given.num_windows, given.tune_steps) == (7, 5, 0)  # type: ignore[attr-defined]
-    assert (default.sample_prompts, default.num_windows, default.tune_steps) == (None, None, None)  # type: ignore[attr-defined]
+    assert (default.sample_prompts, default.num_windows, default.tune_steps) == (None, 32, None)  # type: ignore[attr-defined]

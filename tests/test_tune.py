@@ -146,7 +146,7 @@ def test_default_tuning_only_where_it_pays_and_fits(tiny: Path) -> None:
     default for one too large to hold for a backward pass (the converter's one-layer memory
     bound); explicit options override every default."""
     from halfbyte.quant.convert import (
-        CALIB_WINDOWS, SAMPLE_PROMPTS, TUNE_CALIB_WINDOWS, TUNE_MAX_PARAMS, TUNE_SAMPLE_PROMPTS, TUNE_STEPS,
+        CALIB_WINDOWS, SAMPLE_PROMPTS, TUNE_MAX_PARAMS, TUNE_SAMPLE_PROMPTS, TUNE_STEPS,
         resolve_defaults, tunes_by_default,
     )
 
@@ -154,7 +154,7 @@ def test_default_tuning_only_where_it_pays_and_fits(tiny: Path) -> None:
     assert tunes_by_default(3.25, small) and not tunes_by_default(4.25, small)
     low = resolve_defaults(ConvertOptions(bits=3.25), small)
     assert (low.sample_prompts, low.num_windows, low.steps()) == (
-        TUNE_SAMPLE_PROMPTS, TUNE_CALIB_WINDOWS, TUNE_STEPS)
+        TUNE_SAMPLE_PROMPTS, CALIB_WINDOWS, TUNE_STEPS)
     high = resolve_defaults(ConvertOptions(bits=4.25), small)
     assert (high.sample_prompts, high.num_windows, high.steps()) == (SAMPLE_PROMPTS, CALIB_WINDOWS, 0)
     assert SAMPLE_PROMPTS < TUNE_SAMPLE_PROMPTS  # the reason for the split

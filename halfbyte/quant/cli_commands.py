@@ -68,8 +68,7 @@ def add_subcommands(sub: Any) -> None:
     conv.add_argument("--calib", action="append", default=None, metavar="FILE",
                       help="calibration text: .txt, .jsonl (\"text\" field) or .parquet (repeatable); default: text sampled from the model")
     conv.add_argument("--calib-seq-len", type=_positive_int, default=512, help="tokens per calibration window")
-    conv.add_argument("--calib-windows", type=_positive_int, default=None,
-                      help="number of calibration windows (default: 32)")
+    conv.add_argument("--calib-windows", type=_positive_int, default=32, help="number of calibration windows")
     conv.add_argument("--calib-samples", type=_positive_int, default=None, metavar="N",
                       help="without --calib: answers the model writes as its calibration text (default: 32; 96 when "
                       "the conversion tunes; 192 with --calib-windows 64 --tune-steps 180 measured better still)")

@@ -74,7 +74,6 @@ SAMPLE_PROMPTS = 32  # self-sampled answers without calibration files: ~5k token
 # SmolLM2 3.25 bpw, 32 -> 96 prompts (12 -> 32 windows), 36 -> 90 steps: held-out KL 0.607 -> 0.510
 # (BENCHMARKS.md).
 TUNE_SAMPLE_PROMPTS = 96
-TUNE_CALIB_WINDOWS = 32
 TUNE_STEPS = 90
 TUNE_BELOW = 4.0
 # The tuning stage holds the whole decoder for a backward pass (SmolLM2-135M: peak RSS 1.6 ->
@@ -95,7 +94,7 @@ class ConvertOptions:
     act_order: bool = True
     calib_files: tuple[str, ...] = ()
     seq_len: int = 512  # calibration window length, tokens
-    num_windows: int | None = None  # None: CALIB_WINDOWS, or TUNE_CALIB_WINDOWS when the conversion tunes
+    num_windows: int = CALIB_WINDOWS
     # without calibration files the model writes its own text: sample_prompts answers (the generic
     # prompts, repeated with other seeds) of up to sample_tokens tokens; wide and short batches
     # make the most tokens per second on a CPU. None: SAMPLE_PROMPTS, or TUNE_SAMPLE_PROMPTS when tuning
@@ -127,7 +126,7 @@ class ConvertOptions:
             raise ConversionError(f"--group-size must be one of {ALLOWED_GROUP_SIZES}, got {self.group_size}")
         if self.head_bits is not None and self.head_bits not in SUPPORTED_BITS:
             raise ConversionError(f"--head-bits must be one of {SUPPORTED_BITS}, got {self.head_bits}")
-        if self.seq_len < 16 or (self.num_windows is not None and self.num_windows < 1):
+        if self.seq_len < 16 or self.num_windows < 1:
             raise ConversionError("calibration needs windows of at least 16 tokens and at least 1 window")
         if self.tune_steps is not None and (isinstance(self.tune_steps, bool) or not isinstance(self.tune_steps, int) or self.tune_steps < 0):
             raise ConversionError(f"--tune-steps must be an integer >= 0, got {self.tune_steps!r}")
@@ -155,10 +154,9 @@ def resolve_defaults(opts: ConvertOptions, cfg: ModelConfig) -> ConvertOptions:
     """The options with every None default decided for this model and budget (before the
     fingerprint, so a resumed or cached conversion sees the same numbers)."""
     tuning = tunes_by_default(opts.bits, cfg) if opts.tune_steps is None else opts.tune_steps > 0
-    windows = opts.num_windows or (TUNE_CALIB_WINDOWS if tuning else CALIB_WINDOWS)
     prompts = opts.sample_prompts or (TUNE_SAMPLE_PROMPTS if tuning else SAMPLE_PROMPTS)
     steps = opts.tune_steps if opts.tune_steps is not None else (TUNE_STEPS if tuning else 0)
-    return dataclasses.replace(opts, num_windows=windows, sample_prompts=prompts, tune_steps=steps)
+    return dataclasses.replace(opts, sample_prompts=prompts, tune_steps=steps)
 
 
 @dataclass
@@ -194,7 +192,6 @@ def _calibration(model_dir: Path, tokenizer: Any, opts: ConvertOptions, docs: li
     else:
         assert opts.sample_prompts is not None  # resolve_defaults decided it
         streams = calibration.sample_model_tokens(model_dir, num_prompts=opts.sample_prompts, max_tokens=opts.sample_tokens)
-    assert opts.num_windows is not None
     return calibration.calibration_windows(streams, opts.seq_len, opts.num_windows, tokenizer.eos_token_id)
 
 
