@@ -116,6 +116,9 @@ def main() -> None:
     ap.add_argument("--sweep-split", action="store_true",
                     help="one row: gemv_w4 with 16-64 K splits and 8 warps, many more programs per SM (the read "
                     "ceiling's best grids run 16 programs x 8 warps per SM)")
+    ap.add_argument("--diag", action="store_true",
+                    help="one row, the best config again without the split-K combine, and without the arithmetic "
+                    "too (gemv_w4 _diag 1 / 2: timing only, wrong outputs): what each costs")
     ap.add_argument("--no-read-ceiling", action="store_true",
                     help="skip timing a plain read of each shape's bytes (bench/read_ceiling.py)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -202,6 +205,9 @@ def main() -> None:
             if best1 is None or best16 is None or best64 is None:
                 raise SystemExit(f"{name}: every 4-bit config failed (see stderr)")
             (cfg, w1, e1), (cfg16, w16, e16), (cfg64, w64, e64) = best1, best16, best64
+            if args.diag:  # same config, same copies; outputs not checked (they are not the product)
+                row["diag_us"] = [w1 * 1e6] + [
+                    rotated_time(lambda q, s_, m_, d=d: new(x1, q, s_, m_, **cfg, _diag=d), copies) * 1e6 for d in (1, 2)]
             # the other way to feed x's value planes (gemm_w4.x_split_default), same configs, same run
             split16, split64 = gemm_w4.x_split_default(n, k, 16), gemm_w4.x_split_default(n, k, 64)
             alt16 = pick(mma, [{**cfg16, "x_split": not split16}], x16, ref16)
@@ -249,6 +255,13 @@ def main() -> None:
         f"{r['shape']} b16 {'SP'[not r['x_split16']]} {r['w4_t16_us']:.1f}->{r['w4_t16_other_us'] or float('nan'):.1f} "
         f"b64 {'SP'[not r['x_split64']]} {r['w4_t64_us']:.1f}->{r['w4_t64_other_us'] or float('nan'):.1f} us"
         for r in rows if "w4_t16_other_us" in r))
+    print_diag(rows)
+
+def print_diag(rows: list[dict[str, Any]]) -> None:
+    if any("diag_us" in r for r in rows):
+        print("gemv_w4 b1, best config: full / without the split-K combine / loads only (us): " + ", ".join(
+            f"{r['shape']} {' / '.join(f'{t:.1f}' for t in r['diag_us'])}" for r in rows if "diag_us" in r))
+
 
 if __name__ == "__main__":
     main()

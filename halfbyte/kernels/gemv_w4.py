@@ -30,6 +30,7 @@ import os
 import torch
 
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
+from halfbyte.kernels.split_sum import SplitSum
 from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
 # q - 8 for the 8 nibbles of a word as 4 half2 registers: pairs (0,4) (1,5) (2,6) (3,7).
@@ -189,7 +190,7 @@ if HAS_TRITON:
         x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
-        PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,
+        PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, COMBINE: tl.constexpr, DIAG: tl.constexpr,
     ):
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
@@ -207,24 +208,34 @@ if HAS_TRITON:
             wo = _load_rows(qw_ptr, k_start // 8 + even + 1, k_end, N, rn, n_mask)
             pdl_sync(PDL)
             acc = tl.zeros([BLOCK_KW // 2, BLOCK_N], dtype=tl.float32)
+            seen = tl.zeros([BLOCK_KW // 2, BLOCK_N], dtype=tl.int32)
             for k0 in range(k_start, k_end, BLOCK_K):
-                acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
-                                     GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
+                if DIAG == 2:  # loads only
+                    seen ^= we ^ wo
+                else:
+                    acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
+                                         GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
                 we = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even, k_end, N, rn, n_mask)
                 wo = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even + 1, k_end, N, rn, n_mask)
         else:
             words = _load_words(qw_ptr, k_start, k_end, N, rn, n_mask, BLOCK_KW)
             pdl_sync(PDL)
             acc = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
+            seen = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.int32)
             for k0 in range(k_start, k_end, BLOCK_K):
-                acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
-                               GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
+                if DIAG == 2:  # loads only
+                    seen ^= words
+                else:
+                    acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
+                                   GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
                 # the next tile (past k_end fully masked: no traffic), requested after this one's
                 # reduction in program order; loading it at the top of the loop instead ran 70B qkv
                 # in 21.7 us instead of 16.2 (H200, BENCHMARKS.md)
                 words = _load_words(qw_ptr, k0 + BLOCK_K, k_end, N, rn, n_mask, BLOCK_KW)
+        if DIAG == 2:
+            acc += seen.to(tl.float32)
         total = tl.sum(acc, axis=0)[None, :]
-        _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K)
+        _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K, COMBINE and DIAG == 0)
 
 
 # (N, K) -> (block_n, block_kw, split_k or None for about two waves, stages, warps, pair_rows):
@@ -235,7 +246,7 @@ if HAS_TRITON:
 # lost 0.3-0.9 us on the three others. 70B o and down win with split 8 (the table had None):
 # 21.1 -> 14.5 and 41.5 -> 36.9 us in one later call.
 _M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int, bool]] = {
-    (6144, 4096): (256, 16, None, 2, 4, False),  # 8B qkv
+    (6144, 4096): (256, 16, 16, 2, 4, False),  # 8B qkv (split 16: 8.7 -> 7.5 us, one call, seventh session)
     (4096, 4096): (64, 64, 16, 2, 4, False),  # 8B o
     (28672, 4096): (256, 16, 8, 4, 4, True),  # 8B gate_up
     (4096, 14336): (64, 64, 8, 2, 8, True),  # 8B down
@@ -263,8 +274,12 @@ def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
-) -> torch.Tensor:
-    """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even)."""
+    defer: bool = False, _diag: int = 0,
+) -> torch.Tensor | SplitSum:
+    """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
+    defer: with a K split, return the partials (SplitSum) for the consumer to add up.
+    _diag (bench/gemv.py --diag only; the output is then wrong): 1 skips the split-K combine, 2 also
+    the arithmetic (the same loads, XORed): what the combine and the math cost."""
     k = x.shape[1]
     assert supports(x, 4, group_size), (x.shape, x.dtype, group_size)
     n = qweight.shape[1]
@@ -287,7 +302,7 @@ def gemv_w4(
     _gemv_w4_m1_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
         GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows, USE_ASM=_use_asm(),
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
+        COMBINE=not (defer and split_k > 1), DIAG=_diag, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
-    return out
+    return SplitSum(partial, out.dtype) if defer and split_k > 1 else out
 

@@ -46,11 +46,16 @@ if HAS_TRITON:
         return qf, s, m
 
     @triton.jit
-    def _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n, pid_k, SPLIT_K: tl.constexpr):
+    def _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n, pid_k, SPLIT_K: tl.constexpr,
+                   COMBINE: tl.constexpr = True):
+        """acc to out, or with SPLIT_K > 1 to this split's partial, the last split of a column
+        block summing them into out. COMBINE=False stops at the partial (a timing diagnostic)."""
         mask = (rm < M)[:, None] & (rn < N)[None, :]
         offs = rm[:, None] * N + rn[None, :]
         if SPLIT_K == 1:
             tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        elif not COMBINE:
+            tl.store(partial_ptr + pid_k * M * N + offs, acc, mask=mask)
         else:
             tl.store(partial_ptr + pid_k * M * N + offs, acc, mask=mask)
             # the scalar atomic runs on one thread: a CTA barrier first, so every warp's partial
