@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 step_tests() {  # natively here; CI runs the same tests in Triton's interpreter
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_*.py tests/test_split_sum.py tests/test_sampling_candidates.py tests/test_sampling_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_*.py tests/test_sampling_candidates.py tests/test_sampling_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
 }
 # the two GGUF halves travel in two calls (64 MiB each); the first half waits in /tmp, which
 # outlives a call on a warm machine (a carried folder not named again does not)

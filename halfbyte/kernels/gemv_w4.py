@@ -30,7 +30,6 @@ import os
 import torch
 
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
-from halfbyte.kernels.split_sum import SplitSum
 from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
 # q - 8 for the 8 nibbles of a word as 4 half2 registers: pairs (0,4) (1,5) (2,6) (3,7).
@@ -190,7 +189,7 @@ if HAS_TRITON:
         x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
-        PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, COMBINE: tl.constexpr, DIAG: tl.constexpr,
+        PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, DIAG: tl.constexpr,
     ):
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
@@ -235,7 +234,7 @@ if HAS_TRITON:
         if DIAG == 2:
             acc += seen.to(tl.float32)
         total = tl.sum(acc, axis=0)[None, :]
-        _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K, COMBINE and DIAG == 0)
+        _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K, DIAG == 0)
 
 
 # (N, K) -> (block_n, block_kw, split_k or None for about two waves, stages, warps, pair_rows):
@@ -273,11 +272,9 @@ def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
 def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
-    defer: bool = False, _diag: int = 0,
-) -> torch.Tensor | SplitSum:
+    num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None, _diag: int = 0,
+) -> torch.Tensor:
     """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
-    defer: with a K split, return the partials (SplitSum) for the consumer to add up.
     _diag (bench/gemv.py --diag only; the output is then wrong): 1 skips the split-K combine, 2 also
     the arithmetic (the same loads, XORed): what the combine and the math cost."""
     k = x.shape[1]
@@ -302,7 +299,7 @@ def gemv_w4(
     _gemv_w4_m1_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
         GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows, USE_ASM=_use_asm(),
-        COMBINE=not (defer and split_k > 1), DIAG=_diag, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
+        DIAG=_diag, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
-    return SplitSum(partial, out.dtype) if defer and split_k > 1 else out
+    return out
 

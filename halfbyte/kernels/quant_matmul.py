@@ -13,8 +13,7 @@ import os
 
 import torch
 
-from halfbyte.kernels import gemm_w4, gemv_w4, split_sum
-from halfbyte.kernels.split_sum import SplitSum
+from halfbyte.kernels import gemm_w4, gemv_w4
 from halfbyte.kernels.dispatch import use_triton
 from halfbyte.kernels.quant_gemv import gemv_triton
 from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
@@ -158,9 +157,7 @@ def quant_matmul(
         m = x.shape[0]
         if os.environ.get("HALFBYTE_W4_KERNEL") != "generic":
             if gemv_w4.supports(x, bits, group_size):
-                y = gemv_w4.gemv_w4(x, qweight, scales, mins, group_size)
-                assert isinstance(y, torch.Tensor)  # not deferred
-                return y
+                return gemv_w4.gemv_w4(x, qweight, scales, mins, group_size)
             if gemm_w4.supports(x, bits, group_size):
                 return gemm_w4.gemm_w4(x, qweight, scales, mins, group_size)
         if m <= 16 and 32 % bits == 0:
@@ -172,14 +169,3 @@ def quant_matmul(
         w_t = dequantize_t_triton(qweight, scales, mins, bits, group_size, x.shape[1], x.dtype)
         return torch.mm(x, w_t)
     return quant_matmul_ref(x, qweight, scales, mins, bits, group_size).to(x.dtype)
-
-
-def quant_matmul_split(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group_size: int
-) -> torch.Tensor | SplitSum:
-    """quant_matmul, but a split-K GEMV leaves its partials to the consumer (split_sum.py): only
-    consumers that add them up (or call split_sum.resolve) may call this."""
-    if (split_sum.ENABLED and use_triton(x) and os.environ.get("HALFBYTE_W4_KERNEL") != "generic"
-            and gemv_w4.supports(x, bits, group_size)):
-        return gemv_w4.gemv_w4(x, qweight, scales, mins, group_size, defer=True)
-    return quant_matmul(x, qweight, scales, mins, bits, group_size)

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 from halfbyte.kernels.dispatch import use_triton
-from halfbyte.kernels.split_sum import SplitSum, resolve
 from halfbyte.kernels.triton_utils import HAS_TRITON, next_power_of_2, pdl_args, pdl_sync, tl, triton
 
 
@@ -33,8 +32,8 @@ if HAS_TRITON:
     @triton.jit
     def _rms_norm_kernel(
         x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-        n_cols, eps, split_stride,
-        HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+        n_cols, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_sync(PDL)
         # one program per row; the row fits in registers (hidden sizes up to 16k)
@@ -42,12 +41,8 @@ if HAS_TRITON:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         # arithmetic in fp32, rounded to the activation dtype where the reference rounds
-        dtype = out_ptr.dtype.element_ty
+        dtype = x_ptr.dtype.element_ty
         xf = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        if SPLITS > 1:  # x is a GEMV's fp32 split-K partials (split_sum.py): their sum, rounded once
-            for s in tl.static_range(1, SPLITS):
-                xf += tl.load(x_ptr + s * split_stride + row * n_cols + cols, mask=mask, other=0.0)
-            xf = xf.to(dtype).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
             summed = (xf + r).to(dtype)
@@ -60,20 +55,18 @@ if HAS_TRITON:
 
 
 def rms_norm_triton(
-    x: torch.Tensor | SplitSum, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    splits, dtype = (x.partials.shape[0], x.dtype) if isinstance(x, SplitSum) else (1, x.dtype)
-    data = (x.partials if isinstance(x, SplitSum) else x).contiguous()
-    n_cols = data.shape[-1]
-    out = torch.empty(x.shape, dtype=dtype, device=data.device)
-    res_out = torch.empty_like(out) if residual is not None else None
-    rows = out.numel() // n_cols
+    x = x.contiguous()
+    n_cols = x.shape[-1]
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    rows = x.numel() // n_cols
     block = next_power_of_2(n_cols)
     _rms_norm_kernel[(rows,)](
-        data, residual.contiguous() if residual is not None else data, weight, out,
-        res_out if res_out is not None else out, n_cols, eps, out.numel(),
-        HAS_RESIDUAL=residual is not None, SPLITS=splits, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        **pdl_args(data.device),
+        x, residual.contiguous() if residual is not None else x, weight, out,
+        res_out if res_out is not None else out, n_cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl_args(x.device),
     )
     return out, res_out
 
@@ -85,11 +78,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor | SplitSum, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x may be a GEMV's split-K partials (split_sum.py), summed here."""
-    if use_triton(residual):
+    if use_triton(x):
         out, summed = rms_norm_triton(x, weight, eps, residual)
         assert summed is not None
         return out, summed
-    return add_rms_norm_ref(resolve(x), residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps)

@@ -14,19 +14,11 @@ from halfbyte.kernels.attention import AttentionMetadata, paged_attention
 from halfbyte.kernels.embedding import embedding
 from halfbyte.kernels.rms_norm import add_rms_norm, rms_norm
 from halfbyte.kernels.rotary import rope_and_store
-from halfbyte.kernels.split_sum import SplitSum, resolve
 from halfbyte.model.config import ModelConfig
 from halfbyte.model.linear import Linear
-from halfbyte.model.quant_linear import QuantLinear
 from halfbyte.model.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: k, v [num_pages, page_size, Hkv, D]
-
-
-def _project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor | SplitSum:
-    """linear(x), except that a quantized linear may leave its split-K partials for the next
-    kernel (add_rms_norm, silu_and_mul), which adds them up (kernels/split_sum.py)."""
-    return linear.forward_split(x) if isinstance(linear, QuantLinear) else linear(x)
 
 
 class Attention(nn.Module):
@@ -44,7 +36,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor | SplitSum:
+    ) -> torch.Tensor:
         cfg = self.cfg
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -54,7 +46,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         q = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, cfg.sliding_window)
-        return _project(self.o_proj, o.flatten(1))
+        return self.o_proj(o.flatten(1))
 
 
 class MLP(nn.Module):
@@ -63,8 +55,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, dtype, device)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSum:
-        return _project(self.down_proj, silu_and_mul(_project(self.gate_up_proj, x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -80,16 +72,15 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor | SplitSum,  # the previous layer's MLP output (the embeddings in the first)
+        x: torch.Tensor,
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add is fused into the following norm: (norm(x + r), x + r).
-        if residual is None:  # the first layer: x is the embeddings
-            x = resolve(x)
+        if residual is None:
             residual, h = x, rms_norm(x, self.input_layernorm, self.eps)
         else:
             h, residual = add_rms_norm(x, residual, self.input_layernorm, self.eps)
@@ -126,13 +117,13 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm: [T, hidden]."""
         cos, sin = self.rotary.cos_sin(positions, seq_len=max(meta.seq_lens))
-        x: torch.Tensor | SplitSum = self.embed(input_ids)
+        x = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv, meta)
         assert residual is not None
-        hidden, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
-        return hidden
+        x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]. A seam: the tensor-parallel model (parallel_llama.py) looks up its

@@ -6,8 +6,7 @@ import torch
 from torch import nn
 
 from halfbyte.kernels import cpu_int4
-from halfbyte.kernels.quant_matmul import quant_matmul, quant_matmul_split
-from halfbyte.kernels.split_sum import SplitSum
+from halfbyte.kernels.quant_matmul import quant_matmul
 from halfbyte.quant.qtensor import QuantWeight
 
 
@@ -51,16 +50,6 @@ class QuantLinear(nn.Module):
             ]
         else:
             self.dense_t = w.dequantize(self.dtype).t().contiguous()
-
-    def forward_split(self, x: torch.Tensor) -> torch.Tensor | SplitSum:
-        """forward, but on the GPU a one-slice, bias-free weight's split-K GEMV may leave its
-        partials to the caller's consumer (kernels/split_sum.py)."""
-        w = self.qweight
-        if self.dense_t is not None or self.cpu_int4 or len(w.slices) != 1 or self.bias is not None:
-            return self.forward(x)
-        s = w.slices[0]
-        xs = x[:, w.perm.long()] if w.perm is not None else x
-        return quant_matmul_split(xs, s.qweight, s.scales, s.mins, s.bits, s.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense_t is not None:
