@@ -205,6 +205,7 @@ def main() -> None:
                                         group=groups.control)
     if rank == 0:
         results.update({"tensor_parallel_size": world, "tok_s": round(best, 2),
+                        "symm_all_reduce_active": comm.symm is not None,  # else NCCL (the fallback)
                         # the timed pass includes prefill's collectives: per decode step, roughly
                         "collective_ms_per_step": round(1000 * seconds / (timed_steps + 1), 3),
                         "collectives_per_step": round(calls / (timed_steps + 1), 1),
