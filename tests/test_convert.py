@@ -117,9 +117,10 @@ def test_converted_model_loads_and_tracks_the_float_model(tiny: Path, calib: Pat
     assert errs[8.0] < errs[4.25]
 
 
-def test_resume_after_kill_gives_identical_files(tiny: Path, calib: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["gptq", "asymmetric"])
+def test_resume_after_kill_gives_identical_files(tiny: Path, calib: Path, tmp_path: Path, asymmetric: bool) -> None:
     reference = tmp_path / "straight"
-    convert(tiny, reference, _opts(calib, candidates=None))
+    convert(tiny, reference, _opts(calib, candidates=None, asymmetric=asymmetric))
 
     class Killed(Exception):
         pass
@@ -134,10 +135,10 @@ def test_resume_after_kill_gives_identical_files(tiny: Path, calib: Path, tmp_pa
     out = tmp_path / "resumed"
     for where in ("measure", "quantize"):
         with pytest.raises(Killed):
-            convert(tiny, out, _opts(calib, after_layer=kill_at(where, 0)))
+            convert(tiny, out, _opts(calib, asymmetric=asymmetric, after_layer=kill_at(where, 0)))
         assert not out.exists() and (tmp_path / "resumed.partial").is_dir()
     resumed_layers: list[tuple[str, int]] = []
-    convert(tiny, out, _opts(calib, after_layer=lambda p, i: resumed_layers.append((p, i))))
+    convert(tiny, out, _opts(calib, asymmetric=asymmetric, after_layer=lambda p, i: resumed_layers.append((p, i))))
     assert resumed_layers == [("quantize", 1)]  # only the unfinished layer ran again
     assert _files(out) == _files(reference)
 

@@ -115,9 +115,9 @@ def test_convert_flags_reach_the_options(tmp_path: Path, monkeypatch: pytest.Mon
         raise SystemExit(0)
 
     monkeypatch.setattr(convert_module, "convert", fake_convert)
-    for extra in (["--calib-samples", "7", "--calib-windows", "5", "--no-tune"], []):
+    for extra in (["--calib-samples", "7", "--calib-windows", "5", "--no-tune", "--no-asymmetric"], []):
         with pytest.raises(SystemExit):
             _run(["convert", "--model", "m", "--out", str(tmp_path / "o"), "--bits", "3.25", *extra])
     given, default = seen
-    assert (given.sample_prompts, given.num_windows, given.tune_steps) == (7, 5, 0)  # type: ignore[attr-defined]
-    assert (default.sample_prompts, default.num_windows, default.tune_steps) == (None, 32, None)  # type: ignore[attr-defined]
+    assert (given.sample_prompts, given.num_windows, given.tune_steps, given.asymmetric) == (7, 5, 0, False)  # type: ignore[attr-defined]
+    assert (default.sample_prompts, default.num_windows, default.tune_steps, default.asymmetric) == (None, 32, None, None)  # type: ignore[attr-defined]

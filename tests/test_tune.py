@@ -162,9 +162,62 @@ def test_default_tuning_only_where_it_pays_and_fits(tiny: Path) -> None:
     assert (untuned.sample_prompts, untuned.num_windows, untuned.steps()) == (SAMPLE_PROMPTS, CALIB_WINDOWS, 0)
     forced = resolve_defaults(ConvertOptions(bits=4.25, tune_steps=5, num_windows=7, sample_prompts=3), small)
     assert (forced.sample_prompts, forced.num_windows, forced.steps()) == (3, 7, 5)
+    # asymmetric GPTQ below 4 bpw, tuned or not; never by default at 4.25 (exact grids stay reachable)
+    assert low.asymmetric and untuned.asymmetric and not high.asymmetric
+    assert resolve_defaults(ConvertOptions(bits=4.25, asymmetric=True), small).asymmetric
     big = ModelConfig.from_hf({**read_json(tiny / "config.json"), "num_hidden_layers": 80, "hidden_size": 8192,
                                "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8})
     assert 80 * 8192 * 28672 * 3 > TUNE_MAX_PARAMS
     assert not tunes_by_default(2.5, big)
     assert resolve_defaults(ConvertOptions(bits=2.5), big).steps() == 0
     assert ConvertOptions(bits=2.5, tune_steps=5).steps() == 5
+
+
+def test_trained_rounding_moves_q_only_across_half_a_step() -> None:
+    from halfbyte.quant.packing import unpack
+    from halfbyte.quant.rtn import quantize_rtn
+    from halfbyte.quant.tune import TunableSlice
+
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    s = quantize_rtn(w, 3, 32).slices[0]
+    t = TunableSlice(s, train_q=True)
+    assert t.offset is not None and torch.equal(t.weight(), TunableSlice(s).weight())  # offsets start at 0
+    q = unpack(s.qweight, 3, 64)
+    with torch.no_grad():
+        t.offset.copy_(torch.tensor([0.3, 0.7, -0.7, 9.0]).repeat(8, 16))
+    moved = unpack(t.frozen().qweight, 3, 64)
+    want = (q + torch.tensor([0, 1, -1, 9]).repeat(8, 16)).clamp(0, 7)
+    assert torch.equal(moved, want)
+    assert torch.equal(t.frozen().scales, s.scales) and torch.equal(t.frozen().mins, s.mins)
+    # the straight-through gradient reaches every offset, through the rounding
+    t.weight().sum().backward()
+    assert t.offset.grad is not None and bool((t.offset.grad[:, :3] != 0).all())
+
+
+def test_tuning_with_trained_rounding_lowers_the_kl_and_moves_some_q(tiny: Path, calib: Path, tmp_path: Path) -> None:
+    out = tmp_path / "q"
+    convert(tiny, out, _opts(calib, candidates=(FP16,)))
+    cfg, rotary, src = _setup(tiny)
+    per_layer, metas, final_norm = _quantized(out, cfg.num_layers)
+    emb = src.get("model.embed_tokens.weight").float()
+    ids = _ids(tiny, CORPUS)
+    windows = [ids[i * 64:(i + 1) * 64] for i in range(4)]
+    with torch.no_grad():
+        ref = [forward_hidden(cfg, _float_layers(src, cfg.num_layers), src.get("model.norm.weight").float(),
+                              emb[torch.tensor(w)], rotary) for w in windows]
+    model = TunableModel(per_layer, metas, final_norm, train_q=True)
+
+    def kl() -> float:
+        layers, fn = model.layers()
+        with torch.no_grad():
+            return sum(float(_kl(forward_hidden(cfg, layers, fn, emb[torch.tensor(w)], rotary) @ emb.t(), r @ emb.t()))
+                       for w, r in zip(windows, ref, strict=True)) / len(windows)
+
+    before = kl()
+    tune(cfg, model, rotary, emb, emb, emb, windows, ref, steps=24, lr_norm=1e-2, lr_scale=2e-3, lr_q=0.03)
+    assert kl() < 0.9 * before
+    tuned, _ = model.state_dicts()
+    q_keys = [k for k in per_layer[0] if ".qweight." in k]
+    changed = sum(int((tuned[0][k] != per_layer[0][k]).sum()) for k in q_keys)
+    total = sum(per_layer[0][k].numel() for k in q_keys)
+    assert 0 < changed < total  # some words moved, most did not

@@ -16,7 +16,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         calib_files=tuple(args.calib or ()), seq_len=args.calib_seq_len, num_windows=args.calib_windows,
         sample_prompts=args.calib_samples,
         show_progress=sys.stderr.isatty() or args.progress, measure_cache=args.measure_cache,
-        clip_search=args.clip_search, tune_steps=0 if not args.tune else args.tune_steps,
+        clip_search=args.clip_search, tune_steps=0 if not args.tune else args.tune_steps, asymmetric=args.asymmetric,
     )
     result = convert(args.model, args.out, opts)
     print(
@@ -78,6 +78,9 @@ def add_subcommands(sub: Any) -> None:
                       help="allow settings that quantize columns in order of decreasing input energy (default: on)")
     conv.add_argument("--clip-search", action=argparse.BooleanOptionalAction, default=True,
                       help="search clipped group ranges for the least energy-weighted rounding error (default: on)")
+    conv.add_argument("--asymmetric", action=argparse.BooleanOptionalAction, default=None,
+                      help="quantize each matrix against the float model's outputs rather than the quantized model's "
+                      "own, so each layer corrects the error of the layers before it (default: on below 4 bits per weight)")
     conv.add_argument("--measure-cache", default=None, metavar="DIR",
                       help="keep calibration and measurements in DIR and reuse them when converting the same model to other budgets")
     conv.add_argument("--tune", action=argparse.BooleanOptionalAction, default=True,

@@ -38,16 +38,18 @@ def _atomic_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict
     os.replace(tmp, path)
 
 
-def _save_stream(path: Path, next_layer: int, stream: torch.Tensor) -> None:
-    _atomic_tensors(path, {"stream": stream}, {"next_layer": str(next_layer)})
+def _save_stream(path: Path, next_layer: int, stream: torch.Tensor, float_stream: torch.Tensor | None = None) -> None:
+    """The residual stream entering layer next_layer (and the float model's, when GPTQ is asymmetric)."""
+    tensors = {"stream": stream} if float_stream is None else {"stream": stream, "float_stream": float_stream}
+    _atomic_tensors(path, tensors, {"next_layer": str(next_layer)})
 
 
-def _load_stream(path: Path) -> tuple[int, torch.Tensor] | None:
+def _load_stream(path: Path, name: str = "stream") -> tuple[int, torch.Tensor] | None:
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as f:
         next_layer = int(f.metadata()["next_layer"])
-        return next_layer, f.get_tensor("stream")
+        return (next_layer, f.get_tensor(name)) if name in f.keys() else None
 
 
 def _file_digest(path: Path) -> str:
@@ -77,6 +79,7 @@ def _fingerprint(model_dir: Path, opts: ConvertOptions) -> dict[str, Any]:
         "sample_tokens": opts.sample_tokens,
         # the default list too: a cached measurement of another candidate list must not be reused
         "candidates": [c.to_json() for c in opts.candidate_list()],
-        "tune": [opts.steps(), opts.tune_lr_norm, opts.tune_lr_scale],
+        "tune": [opts.steps(), opts.tune_lr_norm, opts.tune_lr_scale] + ([opts.tune_lr_q] if opts.tune_lr_q else []),
+        "asymmetric": [opts.asymmetric, opts.asym_damp] if opts.asymmetric else False,
     }
 

@@ -45,6 +45,39 @@ class HessianAccumulator:
         self.num_samples = total
 
 
+class CrossAccumulator:
+    """D = 2 (X_f - X)^T X / n: how the float model's inputs X_f differ from the quantized
+    model's X, against X (asymmetric_target); a running mean like HessianAccumulator."""
+
+    def __init__(self, in_features: int) -> None:
+        self.cross = torch.zeros(in_features, in_features, dtype=torch.float32)
+        self.num_samples = 0
+
+    def add_batch(self, x_float: torch.Tensor, x: torch.Tensor) -> None:
+        if x_float.shape != x.shape or x.shape[-1] != self.cross.shape[0]:
+            raise QuantizationError(f"cross term expects two inputs of {self.cross.shape[0]} features, "
+                                    f"got {tuple(x_float.shape)} and {tuple(x.shape)}")
+        x = x.reshape(-1, x.shape[-1]).float()
+        delta = x_float.reshape(-1, x.shape[-1]).float() - x
+        total = self.num_samples + x.shape[0]
+        self.cross *= self.num_samples / total
+        self.cross.addmm_(delta.t(), x, alpha=2.0 / total)
+        self.num_samples = total
+
+def asymmetric_target(w: torch.Tensor, h: torch.Tensor, d: torch.Tensor, damp: float) -> torch.Tensor:
+    """The weight W' that GPTQ should quantize when the inputs it will see (X, the quantized
+    model's, Hessian H = 2 X^T X / n) differ from the float model's (X_f): the least-squares fit
+    of the float layer's output, argmin ||X_f W^T - X W'^T||, is W' = W + W D H^-1 with
+    D = 2 (X_f - X)^T X / n. Since the fit's residual is orthogonal to X, ||X_f W^T - X Q^T||^2
+    = const + ||X (W' - Q)^T||^2: GPTQ on (W', H) minimises the error against the float model's
+    output, so each layer also corrects what the layers before it lost (the asymmetric
+    calibration of GPTAQ, Li et al. 2025). Only the correction is damped, so W' = W when X = X_f."""
+    k = h.shape[0]
+    reg = h.double() + damp * float(torch.diag(h).mean()) * torch.eye(k, dtype=torch.float64, device=h.device)
+    correction = torch.linalg.solve(reg, (w.double() @ d.double()).t()).t()  # (W D) H^-1, H symmetric
+    return (w.double() + correction).to(w.dtype)
+
+
 def _inverse_cholesky_upper(h: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor U of (H + damp * mean(diag H) * I)^-1, with U^T U = H^-1; retries
     with 10x more damping when H is not positive definite."""

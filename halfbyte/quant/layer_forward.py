@@ -22,7 +22,7 @@ from halfbyte.kernels.rms_norm import rms_norm
 from halfbyte.model.config import ModelConfig
 from halfbyte.model.llama import Attention
 from halfbyte.model.rope import RotaryEmbedding
-from halfbyte.quant.gptq import HessianAccumulator
+from halfbyte.quant.gptq import CrossAccumulator, HessianAccumulator
 
 UNITS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 _PARTS = {
@@ -115,6 +115,13 @@ def _hessian(x: torch.Tensor) -> torch.Tensor:
     return acc.hessian
 
 
+def _cross(x_float: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    acc = CrossAccumulator(x.shape[1])
+    for cf, c in zip(x_float.split(_ROWS), x.split(_ROWS), strict=True):
+        acc.add_batch(cf, c)
+    return acc.cross
+
+
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, w, b.float() if b is not None else None)
 
@@ -133,6 +140,8 @@ def _attention_batches(lengths: list[int], max_tokens: int) -> Iterator[tuple[in
 
 
 Process = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
+# (unit, H of the quantized model's input X, D = 2 (X_f - X)^T X / n, float W) -> the weight used
+PairProcess = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def attention_core(
@@ -202,3 +211,34 @@ def run_layer(
     del x2
     w_d = process(UNITS[3], _hessian(act), lw.matrices[UNITS[3]])
     return h2 + _linear(act, w_d, lw.biases[UNITS[3]])
+
+
+def run_layer_pair(
+    cfg: ModelConfig,
+    lw: LayerWeights,
+    stream: torch.Tensor,  # [T, hidden] the quantized model's residual stream entering the layer
+    float_stream: torch.Tensor,  # [T, hidden] the float model's
+    lengths: list[int],
+    rotary: RotaryEmbedding,
+    process: PairProcess,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """run_layer for the quantized model with the float model's layer beside it: process also
+    sees how the float model's input to each matrix differs from the quantized model's
+    (gptq.asymmetric_target). Returns both streams after the layer."""
+    eps = cfg.rms_norm_eps
+    w = lw.matrices
+    x1, x1f = rms_norm(stream, lw.input_norm.float(), eps), rms_norm(float_stream, lw.input_norm.float(), eps)
+    w_qkv = process(UNITS[0], _hessian(x1), _cross(x1f, x1), w[UNITS[0]])
+    o_in = attention_core(cfg, lw, x1, lengths, rotary, w_qkv)
+    o_in_f = attention_core(cfg, lw, x1f, lengths, rotary, w[UNITS[0]])
+    del x1, x1f
+    w_o = process(UNITS[1], _hessian(o_in), _cross(o_in_f, o_in), w[UNITS[1]])
+    h2 = stream + _linear(o_in, w_o, lw.biases[UNITS[1]])
+    h2f = float_stream + _linear(o_in_f, w[UNITS[1]], lw.biases[UNITS[1]])
+    del o_in, o_in_f
+    x2, x2f = rms_norm(h2, lw.post_norm.float(), eps), rms_norm(h2f, lw.post_norm.float(), eps)
+    w_gu = process(UNITS[2], _hessian(x2), _cross(x2f, x2), w[UNITS[2]])
+    act, act_f = mlp_act(lw, x2, w_gu), mlp_act(lw, x2f, w[UNITS[2]])
+    del x2, x2f
+    w_d = process(UNITS[3], _hessian(act), _cross(act_f, act), w[UNITS[3]])
+    return h2 + _linear(act, w_d, lw.biases[UNITS[3]]), h2f + _linear(act_f, w[UNITS[3]], lw.biases[UNITS[3]])
