@@ -4,7 +4,9 @@ optimises while every quantized value stays, and the converter stage resumes byt
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -71,9 +73,36 @@ def _quantized(out: Path, n: int) -> tuple[list[dict[str, torch.Tensor]], list[d
     return per_layer, metas, tensors["model.norm.weight"]
 
 
-@pytest.mark.parametrize("cand", [CODED, FP16], ids=["coded", "fp16"])
-def test_tuning_lowers_the_kl_and_keeps_every_quantized_value(tiny: Path, calib: Path, tmp_path: Path, cand: Candidate) -> None:
-    out = tmp_path / "q"
+@dataclass
+class _Setup:
+    """A tiny model converted with one candidate, its float reference on 4 windows, and the
+    quantized layers to tune."""
+
+    cfg: ModelConfig
+    rotary: RotaryEmbedding
+    emb: torch.Tensor
+    windows: list[list[int]]
+    ref: list[torch.Tensor]
+    per_layer: list[dict[str, torch.Tensor]]
+    metas: list[dict[str, Any]]
+    final_norm: torch.Tensor
+
+    def model(self, train_q: bool = False) -> TunableModel:
+        return TunableModel(self.per_layer, self.metas, self.final_norm, train_q=train_q)
+
+    def kl(self, model: TunableModel) -> float:
+        """Mean KL against the reference over the windows."""
+        layers, fn = model.layers()
+        with torch.no_grad():
+            return sum(float(_kl(forward_hidden(self.cfg, layers, fn, self.emb[torch.tensor(w)], self.rotary) @ self.emb.t(),
+                                 r @ self.emb.t())) for w, r in zip(self.windows, self.ref, strict=True)) / len(self.windows)
+
+    def tune(self, model: TunableModel, lr_q: float = 0.0) -> None:
+        tune(self.cfg, model, self.rotary, self.emb, self.emb, self.emb, self.windows, self.ref, steps=24,
+             lr_norm=1e-2, lr_scale=2e-3, lr_q=lr_q)
+
+
+def _converted(tiny: Path, calib: Path, out: Path, cand: Candidate) -> _Setup:
     convert(tiny, out, _opts(calib, candidates=(cand,)))
     cfg, rotary, src = _setup(tiny)
     per_layer, metas, final_norm = _quantized(out, cfg.num_layers)
@@ -83,22 +112,21 @@ def test_tuning_lowers_the_kl_and_keeps_every_quantized_value(tiny: Path, calib:
     with torch.no_grad():
         ref = [forward_hidden(cfg, _float_layers(src, cfg.num_layers), src.get("model.norm.weight").float(),
                               emb[torch.tensor(w)], rotary) for w in windows]
-    model = TunableModel(per_layer, metas, final_norm)
+    return _Setup(cfg, rotary, emb, windows, ref, per_layer, metas, final_norm)
 
-    def kl() -> float:
-        layers, fn = model.layers()
-        with torch.no_grad():
-            return sum(float(_kl(forward_hidden(cfg, layers, fn, emb[torch.tensor(w)], rotary) @ emb.t(), r @ emb.t()))
-                       for w, r in zip(windows, ref, strict=True)) / len(windows)
 
-    before = kl()
+@pytest.mark.parametrize("cand", [CODED, FP16], ids=["coded", "fp16"])
+def test_tuning_lowers_the_kl_and_keeps_every_quantized_value(tiny: Path, calib: Path, tmp_path: Path, cand: Candidate) -> None:
+    su = _converted(tiny, calib, tmp_path / "q", cand)
+    model = su.model()
+    before = su.kl(model)
     assert before > 1e-3  # 3 bits leave a visible error to tune away
-    tune(cfg, model, rotary, emb, emb, emb, windows, ref, steps=24, lr_norm=1e-2, lr_scale=2e-3)
-    after = kl()
+    su.tune(model)
+    after = su.kl(model)
     assert after < 0.9 * before, (before, after)
     tuned, tuned_norm = model.state_dicts()
-    assert not torch.equal(tuned_norm, final_norm)
-    for i, (old, new) in enumerate(zip(per_layer, tuned, strict=True)):
+    assert not torch.equal(tuned_norm, su.final_norm)
+    for i, (old, new) in enumerate(zip(su.per_layer, tuned, strict=True)):
         assert set(old) == set(new)
         for key, t in old.items():
             assert new[key].dtype == t.dtype and new[key].shape == t.shape, key
@@ -195,29 +223,13 @@ def test_trained_rounding_moves_q_only_across_half_a_step() -> None:
 
 
 def test_tuning_with_trained_rounding_lowers_the_kl_and_moves_some_q(tiny: Path, calib: Path, tmp_path: Path) -> None:
-    out = tmp_path / "q"
-    convert(tiny, out, _opts(calib, candidates=(FP16,)))
-    cfg, rotary, src = _setup(tiny)
-    per_layer, metas, final_norm = _quantized(out, cfg.num_layers)
-    emb = src.get("model.embed_tokens.weight").float()
-    ids = _ids(tiny, CORPUS)
-    windows = [ids[i * 64:(i + 1) * 64] for i in range(4)]
-    with torch.no_grad():
-        ref = [forward_hidden(cfg, _float_layers(src, cfg.num_layers), src.get("model.norm.weight").float(),
-                              emb[torch.tensor(w)], rotary) for w in windows]
-    model = TunableModel(per_layer, metas, final_norm, train_q=True)
-
-    def kl() -> float:
-        layers, fn = model.layers()
-        with torch.no_grad():
-            return sum(float(_kl(forward_hidden(cfg, layers, fn, emb[torch.tensor(w)], rotary) @ emb.t(), r @ emb.t()))
-                       for w, r in zip(windows, ref, strict=True)) / len(windows)
-
-    before = kl()
-    tune(cfg, model, rotary, emb, emb, emb, windows, ref, steps=24, lr_norm=1e-2, lr_scale=2e-3, lr_q=0.03)
-    assert kl() < 0.9 * before
+    su = _converted(tiny, calib, tmp_path / "q", FP16)
+    model = su.model(train_q=True)
+    before = su.kl(model)
+    su.tune(model, lr_q=0.03)
+    assert su.kl(model) < 0.9 * before
     tuned, _ = model.state_dicts()
-    q_keys = [k for k in per_layer[0] if ".qweight." in k]
-    changed = sum(int((tuned[0][k] != per_layer[0][k]).sum()) for k in q_keys)
-    total = sum(per_layer[0][k].numel() for k in q_keys)
+    q_keys = [k for k in su.per_layer[0] if ".qweight." in k]
+    changed = sum(int((tuned[0][k] != su.per_layer[0][k]).sum()) for k in q_keys)
+    total = sum(su.per_layer[0][k].numel() for k in q_keys)
     assert 0 < changed < total  # some words moved, most did not
