@@ -212,6 +212,9 @@ def main() -> None:
     ref_res, ref_lp = score(ref_dir, windows, ctx, None)
     print(f"reference (exllamav2, fp16): ppl {ref_res['ppl']:.3f} over {len(windows)} x {ctx} tokens", flush=True)
     rows: list[dict[str, Any]] = []
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, exllamav2=exllamav2.__version__,
+                  text=data.get("text"), windows=len(windows), ctx=ctx, head_bits=args.head_bits,
+                  reference_ppl=ref_res["ppl"], rows=rows)
     measurement = None
     for b in (float(x) for x in args.budgets.split(",")):
         out, seconds, meas = convert(ref_dir, work, b, args.head_bits, measurement)
@@ -222,11 +225,8 @@ def main() -> None:
         rows.append(row)
         print(f"exl2 {b}: stored {row['stored_bpw']:.3f} bpw, ppl {row['ppl']:.3f} ({row['dppl_pct']:+.1f}%), "
               f"KL {row['kl']:.4f}, top-1 {row['top1']:.3f}, convert {seconds:.0f} s", flush=True)
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, exllamav2=exllamav2.__version__,
-                  text=data.get("text"), windows=len(windows), ctx=ctx, head_bits=args.head_bits,
-                  reference_ppl=ref_res["ppl"], rows=rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        if args.json:  # after every budget: a step timeout keeps the finished ones
+            Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"\nexllamav2 {exllamav2.__version__} on SmolLM2 (reference ppl {ref_res['ppl']:.3f}, head {args.head_bits} bits)")
     print(f"{'budget':>7}{'stored':>8}{'ppl':>9}{'dppl':>8}{'KL':>8}{'top-1':>7}")
     for r in rows:
