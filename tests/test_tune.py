@@ -87,8 +87,8 @@ class _Setup:
     metas: list[dict[str, Any]]
     final_norm: torch.Tensor
 
-    def model(self, train_q: bool = False) -> TunableModel:
-        return TunableModel(self.per_layer, self.metas, self.final_norm, train_q=train_q)
+    def model(self) -> TunableModel:
+        return TunableModel(self.per_layer, self.metas, self.final_norm)
 
     def kl(self, model: TunableModel) -> float:
         """Mean KL against the reference over the windows."""
@@ -97,9 +97,9 @@ class _Setup:
             return sum(float(_kl(forward_hidden(self.cfg, layers, fn, self.emb[torch.tensor(w)], self.rotary) @ self.emb.t(),
                                  r @ self.emb.t())) for w, r in zip(self.windows, self.ref, strict=True)) / len(self.windows)
 
-    def tune(self, model: TunableModel, lr_q: float = 0.0) -> None:
+    def tune(self, model: TunableModel) -> None:
         tune(self.cfg, model, self.rotary, self.emb, self.emb, self.emb, self.windows, self.ref, steps=24,
-             lr_norm=1e-2, lr_scale=2e-3, lr_q=lr_q)
+             lr_norm=1e-2, lr_scale=2e-3)
 
 
 def _converted(tiny: Path, calib: Path, out: Path, cand: Candidate) -> _Setup:
@@ -199,37 +199,3 @@ def test_default_tuning_only_where_it_pays_and_fits(tiny: Path) -> None:
     assert not tunes_by_default(2.5, big)
     assert resolve_defaults(ConvertOptions(bits=2.5), big).steps() == 0
     assert ConvertOptions(bits=2.5, tune_steps=5).steps() == 5
-
-
-def test_trained_rounding_moves_q_only_across_half_a_step() -> None:
-    from halfbyte.quant.packing import unpack
-    from halfbyte.quant.rtn import quantize_rtn
-    from halfbyte.quant.tune import TunableSlice
-
-    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
-    s = quantize_rtn(w, 3, 32).slices[0]
-    t = TunableSlice(s, train_q=True)
-    assert t.offset is not None and torch.equal(t.weight(), TunableSlice(s).weight())  # offsets start at 0
-    q = unpack(s.qweight, 3, 64)
-    with torch.no_grad():
-        t.offset.copy_(torch.tensor([0.3, 0.7, -0.7, 9.0]).repeat(8, 16))
-    moved = unpack(t.frozen().qweight, 3, 64)
-    want = (q + torch.tensor([0, 1, -1, 9]).repeat(8, 16)).clamp(0, 7)
-    assert torch.equal(moved, want)
-    assert torch.equal(t.frozen().scales, s.scales) and torch.equal(t.frozen().mins, s.mins)
-    # the straight-through gradient reaches every offset, through the rounding
-    t.weight().sum().backward()
-    assert t.offset.grad is not None and bool((t.offset.grad[:, :3] != 0).all())
-
-
-def test_tuning_with_trained_rounding_lowers_the_kl_and_moves_some_q(tiny: Path, calib: Path, tmp_path: Path) -> None:
-    su = _converted(tiny, calib, tmp_path / "q", FP16)
-    model = su.model(train_q=True)
-    before = su.kl(model)
-    su.tune(model, lr_q=0.03)
-    assert su.kl(model) < 0.9 * before
-    tuned, _ = model.state_dicts()
-    q_keys = [k for k in su.per_layer[0] if ".qweight." in k]
-    changed = sum(int((tuned[0][k] != su.per_layer[0][k]).sum()) for k in q_keys)
-    total = sum(su.per_layer[0][k].numel() for k in q_keys)
-    assert 0 < changed < total  # some words moved, most did not

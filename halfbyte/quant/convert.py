@@ -124,9 +124,6 @@ class ConvertOptions:
     asym_damp: float = 1.0
     tune_lr_norm: float = 1e-3
     tune_lr_scale: float = 2e-4
-    # > 0: the tuning also moves q (straight-through rounding, tune.TunableSlice), at this Adam
-    # learning rate in grid steps; 0 keeps every q GPTQ chose
-    tune_lr_q: float = 0.0
     # test hook: called after each finished layer as (pass name, layer index)
     after_layer: Callable[[str, int], None] | None = field(default=None, repr=False, compare=False)
 
@@ -444,7 +441,7 @@ def _tune_stage(
     layer_tensors = [_read_tensors(partial / "quant" / f"layer_{i:05d}.safetensors") for i in range(cfg.num_layers)]
     metas = [{u: v["meta"] for u, v in json.loads((partial / "quant" / f"layer_{i:05d}.json").read_text()).items()}
              for i in range(cfg.num_layers)]
-    model = TunableModel(layer_tensors, metas, rest["model.norm.weight"], train_q=opts.tune_lr_q > 0)
+    model = TunableModel(layer_tensors, metas, rest["model.norm.weight"])
     steps = opts.steps()
     task = progress.add_task("tune", total=steps, info="")
 
@@ -454,7 +451,7 @@ def _tune_stage(
             opts.after_layer("tune", step)
 
     losses = tune(cfg, model, rotary, embed, head, ref_head, windows, ref_hidden, steps, opts.tune_lr_norm,
-                  opts.tune_lr_scale, on_step, lr_q=opts.tune_lr_q)
+                  opts.tune_lr_scale, on_step)
     layers, final_norm = model.state_dicts()
     for i, tensors in enumerate(layers):
         _atomic_tensors(tuned / f"layer_{i:05d}.safetensors", tensors)

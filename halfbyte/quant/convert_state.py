@@ -79,7 +79,7 @@ def _fingerprint(model_dir: Path, opts: ConvertOptions) -> dict[str, Any]:
         "sample_tokens": opts.sample_tokens,
         # the default list too: a cached measurement of another candidate list must not be reused
         "candidates": [c.to_json() for c in opts.candidate_list()],
-        "tune": [opts.steps(), opts.tune_lr_norm, opts.tune_lr_scale] + ([opts.tune_lr_q] if opts.tune_lr_q else []),
+        "tune": [opts.steps(), opts.tune_lr_norm, opts.tune_lr_scale],
         "asymmetric": [opts.asymmetric, opts.asym_damp] if opts.asymmetric else False,
     }
 

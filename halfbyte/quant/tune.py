@@ -10,7 +10,6 @@ quantized weights fit in RAM several times over; the converter can skip it (--no
 from __future__ import annotations
 
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,22 +19,18 @@ import torch.nn.functional as F
 from halfbyte.model.config import ModelConfig
 from halfbyte.model.rope import RotaryEmbedding
 from halfbyte.quant.layer_forward import UNITS
-from halfbyte.quant.packing import pack, unpack
+from halfbyte.quant.packing import unpack
 from halfbyte.quant.qtensor import QuantSlice, QuantWeight
 from halfbyte.quant.scale_codes import _MIN_STEP, ScaleCodes, decode, encode
 from halfbyte.quant.table_codes import TableCodes
 
 class TunableSlice:
-    """One slice: q (uint8 [N, width]); trainable fp32 per-column steps (coded) or per-group
-    scales and mins (fp16 slices), initialised from the stored values. With train_q, also an
-    offset per weight (init 0) that moves q by the straight-through estimator: q' = round(q +
-    offset) clamped to the grid, its gradient passed through the rounding, so a weight changes
-    its integer only when the loss keeps pushing it across half a step."""
+    """One slice: q fixed (uint8 [N, width]); trainable fp32 per-column steps (coded) or per-group
+    scales and mins (fp16 slices), initialised from the stored values."""
 
-    def __init__(self, s: QuantSlice, train_q: bool = False) -> None:
+    def __init__(self, s: QuantSlice) -> None:
         self.s = s
         self.q = unpack(s.qweight, s.bits, s.width).to(torch.uint8)
-        self.offset = torch.zeros(self.q.shape, requires_grad=True) if train_q else None
         self.group = torch.arange(s.width) // s.group_size
         if isinstance(s.codes, TableCodes):
             c = s.codes
@@ -64,25 +59,14 @@ class TunableSlice:
             return self.code_s * a, self.code_m * b
         return a, b
 
-    def q_values(self) -> torch.Tensor:
-        """[N, width] fp32 integers on the grid; differentiable in offset (straight through)."""
-        if self.offset is None:
-            return self.q.float()
-        moved = (self.q.float() + self.offset).clamp(0, 2**self.s.bits - 1)
-        return moved + (moved.round() - moved).detach()
-
     def weight(self) -> torch.Tensor:
         """[N, width] fp32 in stored order."""
         sc, mn = self.scales_mins()
-        return self.q_values() * sc.t()[:, self.group] + mn.t()[:, self.group]
+        return self.q.float() * sc.t()[:, self.group] + mn.t()[:, self.group]
 
     def frozen(self) -> QuantSlice:
-        """The slice with its tuned values rounded to what the format stores (q moved only
-        where its offset crossed half a step)."""
+        """The slice with its tuned values rounded to what the format stores (q untouched)."""
         s = self.s
-        if self.offset is not None:
-            q = self.q_values().detach().to(torch.int32)
-            s = dataclasses.replace(s, qweight=pack(q, s.bits))
         if isinstance(s.codes, TableCodes):
             base, st, mt = (v.detach() for v in self.values())
             c = s.codes
@@ -99,18 +83,14 @@ class TunableSlice:
 
 
 class TunableWeight:
-    def __init__(self, qw: QuantWeight, train_q: bool = False) -> None:
+    def __init__(self, qw: QuantWeight) -> None:
         self.qw = qw
-        self.slices = [TunableSlice(s, train_q) for s in qw.slices]
+        self.slices = [TunableSlice(s) for s in qw.slices]
         self.inverse = torch.argsort(qw.perm.long()) if qw.perm is not None else None
 
     @property
     def params(self) -> list[torch.Tensor]:
         return [p for s in self.slices for p in s.params]
-
-    @property
-    def offsets(self) -> list[torch.Tensor]:
-        return [s.offset for s in self.slices if s.offset is not None]
 
     def weight(self) -> torch.Tensor:
         """[N, K] fp32 in the original column order, differentiable in the params."""
@@ -172,11 +152,10 @@ class TunableModel:
     """A quantized decoder from its per-layer tensors (the converter's layer files) and metadata,
     with trainable norm factors and slice parameters."""
 
-    def __init__(self, layer_tensors: list[dict[str, torch.Tensor]], metas: list[dict[str, Any]], final_norm: torch.Tensor,
-                 train_q: bool = False) -> None:
+    def __init__(self, layer_tensors: list[dict[str, torch.Tensor]], metas: list[dict[str, Any]], final_norm: torch.Tensor) -> None:
         self.tensors = layer_tensors
         self.weights = [
-            {u: TunableWeight(QuantWeight.from_state_dict(f"model.layers.{i}.{u}", t, metas[i][u]), train_q) for u in UNITS}
+            {u: TunableWeight(QuantWeight.from_state_dict(f"model.layers.{i}.{u}", t, metas[i][u])) for u in UNITS}
             for i, t in enumerate(layer_tensors)
         ]
         self.norm_keys = [k for i in range(len(layer_tensors)) for k in (_norm_key(i, "input"), _norm_key(i, "post"))]
@@ -186,9 +165,6 @@ class TunableModel:
 
     def scale_params(self) -> list[torch.Tensor]:
         return [p for ws in self.weights for w in ws.values() for p in w.params]
-
-    def q_offsets(self) -> list[torch.Tensor]:
-        return [p for ws in self.weights for w in ws.values() for p in w.offsets]
 
     def layers(self) -> tuple[list[Layer], torch.Tensor]:
         """(layers for forward_hidden, final norm weight), differentiable in every parameter."""
@@ -239,15 +215,10 @@ def tune(
     lr_norm: float,
     lr_scale: float,
     on_step: Callable[[int, float], None] | None = None,
-    lr_q: float = 0.0,
 ) -> list[float]:
     """Adam on KL(reference || quantized) of the output logits, one calibration window per step
-    in a fixed order (deterministic). Returns the loss of every step. lr_q: the q offsets'
-    learning rate (a model built with train_q), in grid steps."""
-    groups = [{"params": model.norm_factors, "lr": lr_norm}, {"params": model.scale_params(), "lr": lr_scale}]
-    if model.q_offsets():
-        groups.append({"params": model.q_offsets(), "lr": lr_q})
-    opt = torch.optim.Adam(groups)
+    in a fixed order (deterministic). Returns the loss of every step."""
+    opt = torch.optim.Adam([{"params": model.norm_factors, "lr": lr_norm}, {"params": model.scale_params(), "lr": lr_scale}])
     losses = []
     for step in range(steps):
         w = step % len(windows)
