@@ -257,6 +257,7 @@ def main() -> None:
         for r in rows if "w4_t16_other_us" in r))
     print_diag(rows)
 
+
 def print_diag(rows: list[dict[str, Any]]) -> None:
     if any("diag_us" in r for r in rows):
         print("gemv_w4 b1, best config: full / without the split-K combine / loads only (us): " + ", ".join(

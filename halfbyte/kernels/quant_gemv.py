@@ -54,21 +54,20 @@ if HAS_TRITON:
         offs = rm[:, None] * N + rn[None, :]
         if SPLIT_K == 1:
             tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        elif not COMBINE:
-            tl.store(partial_ptr + pid_k * M * N + offs, acc, mask=mask)
         else:
             tl.store(partial_ptr + pid_k * M * N + offs, acc, mask=mask)
-            # the scalar atomic runs on one thread: a CTA barrier first, so every warp's partial
-            # is written before the count (seen on the H200 as garbage sums at 512-wide tiles);
-            # acq_rel: our partial is visible before the count, others' before we read them
-            tl.debug_barrier()
-            done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
-            if done == SPLIT_K - 1:
-                total = tl.zeros_like(acc)
-                for s in range(SPLIT_K):
-                    total += tl.load(partial_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(counter_ptr + pid_n, 0)
+            if COMBINE:
+                # the scalar atomic runs on one thread: a CTA barrier first, so every warp's partial
+                # is written before the count (seen on the H200 as garbage sums at 512-wide tiles);
+                # acq_rel: our partial is visible before the count, others' before we read them
+                tl.debug_barrier()
+                done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+                if done == SPLIT_K - 1:
+                    total = tl.zeros_like(acc)
+                    for s in range(SPLIT_K):
+                        total += tl.load(partial_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                    tl.atomic_xchg(counter_ptr + pid_n, 0)
 
     @triton.jit
     def _gemv_kernel(

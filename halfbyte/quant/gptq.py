@@ -64,6 +64,7 @@ class CrossAccumulator:
         self.cross.addmm_(delta.t(), x, alpha=2.0 / total)
         self.num_samples = total
 
+
 def asymmetric_target(w: torch.Tensor, h: torch.Tensor, d: torch.Tensor, damp: float) -> torch.Tensor:
     """The weight W' that GPTQ should quantize when the inputs it will see (X, the quantized
     model's, Hessian H = 2 X^T X / n) differ from the float model's (X_f): the least-squares fit
