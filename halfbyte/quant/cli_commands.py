@@ -17,6 +17,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         sample_prompts=args.calib_samples,
         show_progress=sys.stderr.isatty() or args.progress, measure_cache=args.measure_cache,
         clip_search=args.clip_search, tune_steps=0 if not args.tune else args.tune_steps, asymmetric=args.asymmetric,
+        rotate=args.rotate, rotation_seed=args.rotation_seed,
     )
     result = convert(args.model, args.out, opts)
     print(
@@ -81,6 +82,11 @@ def add_subcommands(sub: Any) -> None:
     conv.add_argument("--asymmetric", action=argparse.BooleanOptionalAction, default=None,
                       help="quantize each matrix against the float model's outputs rather than the quantized model's "
                       "own, so each layer corrects the error of the layers before it (default: on below 4 bits per weight)")
+    conv.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=None,
+                      help="quantize the model seen through random orthogonal rotations of its residual stream and "
+                      "value heads (same function, outlier columns spread out; writes an untied head; default: on "
+                      "below 4 bits per weight)")
+    conv.add_argument("--rotation-seed", type=int, default=0, metavar="N", help="seed of the rotations (default 0)")
     conv.add_argument("--measure-cache", default=None, metavar="DIR",
                       help="keep calibration and measurements in DIR and reuse them when converting the same model to other budgets")
     conv.add_argument("--tune", action=argparse.BooleanOptionalAction, default=True,

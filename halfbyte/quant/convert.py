@@ -56,11 +56,12 @@ from halfbyte.quant.convert_state import (
     _atomic_json, _atomic_tensors, _fingerprint, _load_stream, _save_stream, STATE_VERSION,
 )
 from halfbyte.quant.layer_forward import (  # noqa: F401  (re-exported for bench/ and tests)
-    UNITS, LayerWeights, TensorSource, _hessian, _unit_shapes, read_layer, run_layer, run_layer_pair,
+    UNITS, LayerWeights, TensorSource, WeightSource, _hessian, _unit_shapes, read_layer, run_layer, run_layer_pair,
 )
 from halfbyte.quant.gptq import asymmetric_target
 from halfbyte.quant.measure import LOW_BITS_BELOW, Candidate, allocate, default_candidates, quantize_candidate, storage_bits
 from halfbyte.quant.packing import SUPPORTED_BITS
+from halfbyte.quant.rotation import RotatedSource
 from halfbyte.quant.qtensor import ALLOWED_GROUP_SIZES, FORMAT_VERSION, QuantWeight, slice_storage_bits
 from halfbyte.quant.tune import TunableModel, tune
 
@@ -122,6 +123,11 @@ class ConvertOptions:
     # held-out KL 0.572 without the correction, 0.680 / 0.562 / 0.518 / 0.532 at 0.01 / 0.1 / 1 / 3
     # (the correction is fitted on the calibration tokens and overfits them when barely damped)
     asym_damp: float = 1.0
+    # see the float model through random orthogonal rotations (rotation.py) before quantizing:
+    # spreads outlier columns over all of them. None: below TUNE_BELOW bpw (at 4.25 the source's
+    # exact 4-bit grids must stay reachable). rotation_seed picks the rotations.
+    rotate: bool | None = None
+    rotation_seed: int = 0
     tune_lr_norm: float = 1e-3
     tune_lr_scale: float = 2e-4
     # test hook: called after each finished layer as (pass name, layer index)
@@ -166,7 +172,8 @@ def resolve_defaults(opts: ConvertOptions, cfg: ModelConfig) -> ConvertOptions:
     prompts = opts.sample_prompts or (TUNE_SAMPLE_PROMPTS if tuning else SAMPLE_PROMPTS)
     steps = opts.tune_steps if opts.tune_steps is not None else (TUNE_STEPS if tuning else 0)
     asymmetric = opts.asymmetric if opts.asymmetric is not None else opts.bits < TUNE_BELOW
-    return dataclasses.replace(opts, sample_prompts=prompts, tune_steps=steps, asymmetric=asymmetric)
+    rotate = opts.rotate if opts.rotate is not None else opts.bits < TUNE_BELOW
+    return dataclasses.replace(opts, sample_prompts=prompts, tune_steps=steps, asymmetric=asymmetric, rotate=rotate)
 
 
 @dataclass
@@ -230,7 +237,11 @@ def convert(model: str | Path, out: str | Path, opts: ConvertOptions) -> Convert
     cands = opts.candidate_list()
     _check_budget(cfg, cands, opts)
     docs = calibration.read_calibration_texts(opts.calib_files) if opts.calib_files else None
-    src = TensorSource(model_dir)
+    src: WeightSource = TensorSource(model_dir)
+    if opts.rotate:  # the rotated model has an untied head (rotation.py)
+        src = RotatedSource(src, cfg, opts.rotation_seed)
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+        hf_cfg = {**hf_cfg, "tie_word_embeddings": False}
     tokenizer = Tokenizer(model_dir)
 
     partial = out_dir.with_name(out_dir.name + ".partial")
@@ -416,7 +427,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _tune_stage(
-    cfg: ModelConfig, src: TensorSource, partial: Path, mdir: Path, windows: list[list[int]], rotary: RotaryEmbedding,
+    cfg: ModelConfig, src: WeightSource, partial: Path, mdir: Path, windows: list[list[int]], rotary: RotaryEmbedding,
     rest: dict[str, torch.Tensor], head_meta: dict[str, Any], opts: ConvertOptions, progress: Progress,
 ) -> Path:
     """End-to-end tuning (tune.py) of the quantized layers under partial/quant against the float
@@ -527,6 +538,7 @@ def _assemble(
         "format_version": FORMAT_VERSION,
         "bits_per_weight": round(total_bpw, 4),
         "budget_bits_per_weight": opts.bits,
+        "rotation": {"kind": "random_orthogonal", "seed": opts.rotation_seed} if opts.rotate else None,
         "calibration": f"{num_windows} windows of up to {opts.seq_len} tokens, "
         + ("files " + ", ".join(Path(p).name for p in opts.calib_files) if opts.calib_files else "sampled from the model"),
         "layers": layers_meta,

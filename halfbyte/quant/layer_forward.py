@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,17 @@ def _unit_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 # --- checkpoint access ------------------------------------------------------------------------
+
+
+class WeightSource(Protocol):
+    """Where a conversion reads the float model's tensors: a checkpoint (TensorSource) or a view
+    of one (rotation.RotatedSource)."""
+
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+    def get_optional(self, name: str) -> torch.Tensor | None: ...
 
 
 class TensorSource:
@@ -92,7 +103,7 @@ class LayerWeights:
     post_norm: torch.Tensor
 
 
-def read_layer(src: TensorSource, i: int) -> LayerWeights:
+def read_layer(src: WeightSource, i: int) -> LayerWeights:
     base = f"model.layers.{i}"
     matrices: dict[str, torch.Tensor] = {}
     biases: dict[str, torch.Tensor | None] = {}
