@@ -1,6 +1,7 @@
 """The collectives' choice between symmetric memory and NCCL (halfbyte/distributed/symm_all_reduce.py).
-The symmetric-memory kernel itself needs 2+ GPUs: bench/tp_parity.py and bench/tensor_parallel.py
-run it there (HALFBYTE_TP_ALLREDUCE=symm); here, the dispatch around it and the fallbacks."""
+The kernel itself: tests/test_kernels_peer_all_reduce.py (one rank in the interpreter, two ranks on
+one GPU); across GPUs bench/tp_parity.py and bench/tensor_parallel.py run it
+(HALFBYTE_TP_ALLREDUCE=symm). Here, the dispatch around it and the fallbacks."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import torch
 import torch.distributed as dist
 
 from halfbyte.distributed.collectives import Collectives
-from halfbyte.distributed.symm_all_reduce import ENV, MAX_BYTES, SymmAllReduce, make_symm_all_reduce
+from halfbyte.distributed.symm_all_reduce import ENV, make_symm_all_reduce
 from halfbyte.errors import InvalidParameterError
 
 
 class _Recorder:
-    """Stands in for SymmAllReduce: records calls, returns a new tensor as the real one does."""
+    """Stands in for PeerAllReduce: records calls, returns a new tensor as the real one does."""
 
     def __init__(self, fits: bool) -> None:
         self._fits = fits
@@ -56,19 +57,6 @@ def test_tensors_that_do_not_fit_go_through_the_process_group(nccl_calls: list[t
     t = torch.arange(4.0)
     out = comm.all_reduce(t)
     assert rec.calls == 0 and len(nccl_calls) == 1 and out is t and torch.equal(out, torch.arange(4.0) * 2)
-
-
-def test_fits_checks_device_dtype_layout_size_and_alignment() -> None:
-    s = SymmAllReduce(torch.empty(MAX_BYTES // 2, dtype=torch.float16), "g")
-    assert not s.fits(torch.empty(8, dtype=torch.float16))  # not CUDA
-    if torch.cuda.is_available():
-        dev = "cuda"
-        assert s.fits(torch.empty(1, 8192, dtype=torch.float16, device=dev))
-        assert not s.fits(torch.empty(8192, dtype=torch.float32, device=dev))  # another dtype than the buffer's
-        assert not s.fits(torch.empty(8, 64, dtype=torch.float16, device=dev).t())  # not contiguous
-        assert not s.fits(torch.empty(MAX_BYTES, dtype=torch.float16, device=dev))  # larger than the buffer
-        assert not s.fits(torch.empty(3, dtype=torch.float16, device=dev))  # 6 bytes: not whole 16-byte vectors
-        assert not s.fits(torch.empty(8200, dtype=torch.float16, device=dev)[1:8193])  # starts 2 bytes in
 
 
 def test_cpu_and_the_default_stay_on_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,14 +10,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from halfbyte.distributed.symm_all_reduce import SymmAllReduce, make_symm_all_reduce
+from halfbyte.distributed.peer_all_reduce import PeerAllReduce
+from halfbyte.distributed.symm_all_reduce import make_symm_all_reduce
 
 
 class Collectives:
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, timed: bool = False,
-                 symm: SymmAllReduce | None = None) -> None:
+                 symm: PeerAllReduce | None = None) -> None:
         self.group = group
-        self.symm = symm  # small all-reduces through symmetric memory (symm_all_reduce.py), else NCCL
+        self.symm = symm  # small all-reduces through symmetric memory (peer_all_reduce.py), else NCCL
         self.rank = rank
         self.world_size = world_size
         self.timed = timed
