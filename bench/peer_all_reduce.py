@@ -32,20 +32,32 @@ def main() -> None:
     ptr = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)  # noqa: E731
     ops = [PeerAllReduce(ptr(bufs), ptr(pads), r, 2, cap, torch.float16, pad_ints) for r in range(2)]
     xs = [torch.randn(1, args.hidden, dtype=torch.float16, device=dev) for _ in range(2)]
-    # two created streams: a kernel on the legacy default stream would wait for the other
-    # stream's spinning kernel to finish, and that one waits for it (deadlock)
+    # two created streams (a kernel on the legacy default stream would wait for the other stream's
+    # spinning kernel), launches interleaved: streams may share a hardware queue, where 160 queued
+    # launches of one rank would stall (PDL) in front of the other rank's first
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
 
     def chain() -> None:
-        for op, s, x in zip(ops, streams, xs, strict=True):
+        for s in streams:
             s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(args.calls):
+        for _ in range(args.calls):
+            for op, s, x in zip(ops, streams, xs, strict=True):
+                with torch.cuda.stream(s):
                     op(x)
         for s in streams:
             torch.cuda.current_stream().wait_stream(s)
 
-    chain()  # compiles both ranks' kernels (rank 0's spins on its stream meanwhile); epochs stay in step
+    for op, x in zip(ops, xs, strict=True):
+        op.compile(x)  # before either runs: loading a module waits for an idle device
+    torch.cuda.synchronize()
+    chain()  # epochs stay in step for the graph
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    chain()
+    end.record()
+    end.synchronize()
+    print(f"eager: {start.elapsed_time(end) * 1000 / args.calls:.2f} us per call (launch-bound)", flush=True)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

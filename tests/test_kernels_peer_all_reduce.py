@@ -57,6 +57,8 @@ def test_two_ranks_on_two_streams_agree_with_the_sum(n: int) -> None:
     ranks = _Ranks(2, 8 * BLOCK, torch.float16)
     streams = [torch.cuda.Stream() for _ in range(2)]
     g = torch.Generator(device="cuda").manual_seed(0)
+    for op in ranks.ops:
+        op.compile(torch.empty(1, n, dtype=torch.float16, device="cuda"))  # loading waits for an idle device
     for _ in range(40):  # many epochs: both slots reused many times
         parts = [torch.randn(1, n, device="cuda", generator=g).half() for _ in range(2)]
         outs: list[torch.Tensor] = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
+from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
 BLOCK = 1024  # elements per program: a 16 KB fp16 row of hidden 8192 is 8 programs
 
@@ -31,8 +31,9 @@ if HAS_TRITON:
     @triton.jit
     def _peer_all_reduce_kernel(
         inp_ptr, out_ptr, buf_ptrs, pad_ptrs, epochs_ptr, n, slot_stride,
-        RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+        RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_sync(PDL)  # launched early behind the GEMV that writes inp (programmatic dependent launch)
         pid = tl.program_id(0)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -88,9 +89,23 @@ class PeerAllReduce:
         """The sum over ranks as a new tensor; every rank must call it with the same shape."""
         flat = t.view(-1)
         out = torch.empty_like(flat)
-        n = flat.numel()
-        _peer_all_reduce_kernel[(triton.cdiv(n, BLOCK),)](
-            flat, out, self.buffer_ptrs, self.pad_ptrs, self.epochs, n, self.capacity,
-            RANK=self.rank, WORLD=self.world, BLOCK=BLOCK, num_warps=4,
-        )
+        self._launch(flat, out, warmup=False)
         return out.view_as(t)
+
+    def compile(self, t: torch.Tensor) -> None:
+        """Compile (and load) the kernel for t without running it. Loading a module can wait for
+        the device to go idle, which never happens while another rank's kernel on the same GPU
+        spins for this one (two ranks on one GPU, the tests and bench/peer_all_reduce.py)."""
+        flat = t.view(-1)
+        self._launch(flat, torch.empty_like(flat), warmup=True)
+
+    def _launch(self, flat: torch.Tensor, out: torch.Tensor, warmup: bool) -> None:
+        n = flat.numel()
+        args = (flat, out, self.buffer_ptrs, self.pad_ptrs, self.epochs, n, self.capacity)
+        kw = dict(RANK=self.rank, WORLD=self.world, BLOCK=BLOCK, num_warps=4, **pdl_args(flat.device))
+        if warmup:  # compile, then load the module now (Triton loads it lazily at the first launch)
+            kernel = _peer_all_reduce_kernel.warmup(*args, grid=(triton.cdiv(n, BLOCK),), **kw)
+            if hasattr(kernel, "_init_handles"):
+                kernel._init_handles()
+        else:
+            _peer_all_reduce_kernel[(triton.cdiv(n, BLOCK),)](*args, **kw)
