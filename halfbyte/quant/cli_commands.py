@@ -82,10 +82,10 @@ def add_subcommands(sub: Any) -> None:
     conv.add_argument("--asymmetric", action=argparse.BooleanOptionalAction, default=None,
                       help="quantize each matrix against the float model's outputs rather than the quantized model's "
                       "own, so each layer corrects the error of the layers before it (default: on below 4 bits per weight)")
-    conv.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=None,
+    conv.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=False,
                       help="quantize the model seen through random orthogonal rotations of its residual stream and "
-                      "value heads (same function, outlier columns spread out; writes an untied head; default: on "
-                      "below 4 bits per weight)")
+                      "value heads (same function, outlier columns spread out; writes an untied head). Helps GPTQ on "
+                      "float weights; hurts weights that already sit on a low-bit grid (a model from a GGUF)")
     conv.add_argument("--rotation-seed", type=int, default=0, metavar="N", help="seed of the rotations (default 0)")
     conv.add_argument("--measure-cache", default=None, metavar="DIR",
                       help="keep calibration and measurements in DIR and reuse them when converting the same model to other budgets")

@@ -81,6 +81,5 @@ def _fingerprint(model_dir: Path, opts: ConvertOptions) -> dict[str, Any]:
         "candidates": [c.to_json() for c in opts.candidate_list()],
         "tune": [opts.steps(), opts.tune_lr_norm, opts.tune_lr_scale],
         "asymmetric": [opts.asymmetric, opts.asym_damp] if opts.asymmetric else False,
-        "rotate": [True, opts.rotation_seed] if opts.rotate else False,
-    }
+    } | ({"rotate": opts.rotation_seed} if opts.rotate else {})  # absent when off: earlier states stay valid
 

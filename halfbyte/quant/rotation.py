@@ -15,9 +15,12 @@ q and k (RoPE pairs), gate/up's outputs and down's input (through SiLU) are not 
 
 A tied embedding becomes two tensors (E Q and the head's E diag(g) Q): the converter writes an
 untied head. Nothing changes at run time: the quantized model is an ordinary Llama whose norm
-weights start at 1. Measured on SmolLM2-135M at 3 bits g64 (GPTQ, 4 x 1,024 held-out tokens):
-KL 0.813 -> 0.687 (BENCHMARKS.md, issue 3); round-to-nearest alone gets worse (2.29 -> 3.24):
-only a Hessian-aware quantizer uses the incoherence."""
+weights start at 1. Measured on SmolLM2-135M (BENCHMARKS.md, issue 3): plain 3-bit g64 GPTQ
+gains (held-out KL 0.813 -> 0.687), round-to-nearest alone loses (2.29 -> 3.24: only a
+Hessian-aware quantizer uses the incoherence), and the 3.25 bpw default loses (ppl 45.08 ->
+48.46): SmolLM2's weights come from a Q4_1 GGUF and sit on 4-bit group-32 grids, which the
+allocator's 4-bit group-32 settings hold exactly and a rotation destroys. Hence opt-in
+(`halfbyte convert --rotate`)."""
 
 from __future__ import annotations
 
