@@ -72,11 +72,15 @@ class PeerAllReduce:
 
     buffer_ptrs / pad_ptrs: int64 [world] device tensors, the address of every rank's buffer
     (2 * capacity elements of `dtype`, two slots) and signal pad (int32, at least
-    max_programs * world of them, zero before the first call on every rank)."""
+    max_programs * world of them, zero before the first call on every rank); `owners` keeps the
+    memory behind them alive as long as this object."""
 
     def __init__(self, buffer_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, rank: int, world: int,
-                 capacity: int, dtype: torch.dtype, pad_ints: int) -> None:
+                 capacity: int, dtype: torch.dtype, pad_ints: int, owners: tuple[object, ...] = ()) -> None:
         self.buffer_ptrs, self.pad_ptrs = buffer_ptrs, pad_ptrs
+        # what the addresses point into (the symmetric buffer and its handle): freed with them,
+        # the kernel would write freed memory (seen on the H200 as an illegal address)
+        self.owners = owners
         self.rank, self.world, self.capacity, self.dtype = rank, world, capacity, dtype
         self.max_programs = min(triton.cdiv(capacity, BLOCK), pad_ints // world)
         self.epochs = torch.zeros(self.max_programs, dtype=torch.int32, device=buffer_ptrs.device)

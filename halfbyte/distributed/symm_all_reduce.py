@@ -56,7 +56,7 @@ def make_symm_all_reduce(group: dist.ProcessGroup, device: torch.device, dtype: 
         made = PeerAllReduce(
             torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
             torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device),
-            handle.rank, handle.world_size, capacity, dtype, pad_ints,
+            handle.rank, handle.world_size, capacity, dtype, pad_ints, owners=(buffer, handle),
         )
     except Exception as e:  # an older torch, no P2P between the GPUs, a failed rendezvous
         log.warning("%s=symm: symmetric memory unavailable (%s: %s); all-reduce stays on NCCL",
