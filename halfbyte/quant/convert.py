@@ -61,8 +61,8 @@ from halfbyte.quant.layer_forward import (  # noqa: F401  (re-exported for bench
 from halfbyte.quant.gptq import asymmetric_target
 from halfbyte.quant.measure import LOW_BITS_BELOW, Candidate, allocate, default_candidates, quantize_candidate, storage_bits
 from halfbyte.quant.packing import SUPPORTED_BITS
-from halfbyte.quant.rotation import RotatedSource
 from halfbyte.quant.qtensor import ALLOWED_GROUP_SIZES, FORMAT_VERSION, QuantWeight, slice_storage_bits
+from halfbyte.quant.rotation import RotatedSource
 from halfbyte.quant.tune import TunableModel, tune
 
 # files besides the weights and config that a model directory carries over (plus tokenizer*)
@@ -539,7 +539,7 @@ def _assemble(
         "format_version": FORMAT_VERSION,
         "bits_per_weight": round(total_bpw, 4),
         "budget_bits_per_weight": opts.bits,
-        "rotation": {"kind": "random_orthogonal", "seed": opts.rotation_seed} if opts.rotate else None,
+        **({"rotation": {"kind": "random_orthogonal", "seed": opts.rotation_seed}} if opts.rotate else {}),
         "calibration": f"{num_windows} windows of up to {opts.seq_len} tokens, "
         + ("files " + ", ".join(Path(p).name for p in opts.calib_files) if opts.calib_files else "sampled from the model"),
         "layers": layers_meta,
