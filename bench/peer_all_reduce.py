@@ -15,6 +15,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gemv import graph_time  # noqa: E402
 
 from halfbyte.distributed.peer_all_reduce import PeerAllReduce  # noqa: E402
 
@@ -58,36 +61,12 @@ def main() -> None:
     end.record()
     end.synchronize()
     print(f"eager: {start.elapsed_time(end) * 1000 / args.calls:.2f} us per call (launch-bound)", flush=True)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain()
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / args.calls)
+    # a graph of one chain (both ranks' calls); graph_time runs it once eagerly first, which
+    # keeps the two ranks' epochs in step
+    best = graph_time(chain, reps=1) * 1e6 / args.calls
     # the floor of any launch in the same setting: one elementwise add per call, chained in a graph
     y = torch.empty_like(xs[0])
-    g2 = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g2):
-        for _ in range(args.calls):
-            torch.add(xs[0], xs[1], out=y)
-    g2.replay()
-    torch.cuda.synchronize()
-    add = float("inf")
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g2.replay()
-        end.record()
-        end.synchronize()
-        add = min(add, start.elapsed_time(end) * 1000 / args.calls)
+    add = graph_time(lambda: torch.add(xs[0], xs[1], out=y), reps=args.calls) * 1e6
     result = {"hidden": args.hidden, "calls": args.calls, "us_per_all_reduce": best, "us_per_add": add}
     print(f"peer all-reduce, 2 ranks on one GPU, hidden {args.hidden}: {best:.2f} us per call; "
           f"an elementwise add: {add:.2f} us (graphs of {args.calls} chained calls)")

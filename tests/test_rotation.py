@@ -16,7 +16,7 @@ from halfbyte.model.config import ModelConfig
 from halfbyte.quant.convert import convert
 from halfbyte.quant.layer_forward import TensorSource
 from halfbyte.quant.rotation import RotatedSource, random_orthogonal
-from tests.test_convert import CORPUS, _logits, _opts, make_tokenizer
+from tests.test_convert import _logits, _opts, calib, make_tokenizer  # noqa: F401  (calib: a fixture)
 
 
 def test_random_orthogonal_is_orthogonal_and_seeded() -> None:
@@ -85,9 +85,3 @@ def test_conversion_through_rotations_tracks_the_float_model(tmp_path: Path, cal
     scale = float(ref.abs().max())
     assert errs[True] < 0.05 * scale and errs[False] < 0.05 * scale, (errs, scale)
 
-
-@pytest.fixture(scope="module")
-def calib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    path.write_text(CORPUS)
-    return path

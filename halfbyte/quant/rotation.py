@@ -50,7 +50,7 @@ class RotatedSource:
     float64. lm_head.weight always exists (untied)."""
 
     def __init__(self, src: WeightSource, cfg: ModelConfig, seed: int) -> None:
-        self.src, self.cfg, self.seed = src, cfg, seed
+        self.src, self.cfg = src, cfg
         self.q = random_orthogonal(cfg.hidden_size, seed)
         self.r = random_orthogonal(cfg.head_dim, seed + 1)
 
