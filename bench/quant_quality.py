@@ -1,7 +1,7 @@
 """Quantization quality: perplexity and KL(ref || quantized) on held-out text, halfbyte's GPTQ
 converter (measured mixed bits) beside round-to-nearest at the same bits-per-weight budget.
 
-    .venv/bin/python bench/quant_quality.py --text lee_background.cor --work /tmp/qq
+    .venv/bin/python bench/quant_quality.py --text lee_background.cor --work /tmp/qq [--calib wiki_sample.txt]
 
 The reference is the float model (default: the embedded SmolLM2-135M-Instruct directory). RTN
 at a budget is the uniform setting (bits, group size, no act-order) with the most bits that
@@ -116,6 +116,11 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=6)
     ap.add_argument("--no-rtn", action="store_true")
     ap.add_argument("--no-tune", action="store_true", help="convert without the end-to-end tuning stage")
+    ap.add_argument("--calib", action="append", default=None, metavar="FILE",
+                    help="calibration text for the converter (default: text sampled from the model); "
+                    "bench/eval_texts.py writes a Wikipedia sample")
+    ap.add_argument("--calib-windows", type=int, default=None, help="calibration windows (converter default: 32)")
+    ap.add_argument("--tune-steps", type=int, default=None, help="end-to-end tuning steps (converter default)")
     ap.add_argument("--json", default="quant_quality.json")
     args = ap.parse_args()
 
@@ -124,13 +129,19 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     budgets = [float(b) for b in args.budgets.split(",")]
-    tune = {"tune_steps": 0} if args.no_tune else {}
+    extra: dict[str, object] = {"tune_steps": 0} if args.no_tune else {}
+    if args.tune_steps is not None and not args.no_tune:
+        extra["tune_steps"] = args.tune_steps
+    if args.calib:
+        extra["calib_files"] = tuple(args.calib)
+    if args.calib_windows is not None:
+        extra["num_windows"] = args.calib_windows
     # the first budget first, before anything else is loaded: its time and peak RSS are the converter's
     first = work / f"gptq_{budgets[0]}"
     timing: dict[str, float] = {}
     if not first.exists():
         t0, c0 = time.perf_counter(), _cpu_seconds()
-        convert(model_dir, first, ConvertOptions(bits=budgets[0], measure_cache=work / "measure_cache", show_progress=False, **tune))
+        convert(model_dir, first, ConvertOptions(bits=budgets[0], measure_cache=work / "measure_cache", show_progress=False, **extra))
         # CPU time (user + sys, all threads) beside wall time: on a shared machine the wall time
         # is inflated, CPU time / cores estimates the wall time on a quiet one
         timing = {"convert_s": time.perf_counter() - t0, "cpu_s": _cpu_seconds() - c0,
@@ -148,13 +159,13 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
         "model": str(model_dir), "text": args.text, "ctx": args.ctx, "windows": len(windows),
-        "tokens": sum(len(w) for w in windows), "first_conversion": timing,
+        "tokens": sum(len(w) for w in windows), "first_conversion": timing, "calib": args.calib or "self-sampled",
     }
     for budget in budgets:
         out = work / f"gptq_{budget}"
         if not out.exists():
             t0 = time.perf_counter()
-            res = convert(model_dir, out, ConvertOptions(bits=budget, measure_cache=work / "measure_cache", show_progress=False, **tune))
+            res = convert(model_dir, out, ConvertOptions(bits=budget, measure_cache=work / "measure_cache", show_progress=False, **extra))
             seconds = time.perf_counter() - t0
             bpw = res.bits_per_weight
         else:

@@ -67,7 +67,8 @@ def add_subcommands(sub: Any) -> None:
     conv.add_argument("--out", required=True, help="output directory (must not exist; OUT.partial holds resumable state)")
     conv.add_argument("--bits", type=float, required=True, help="bits-per-weight budget over the decoder layers, 2-8 (e.g. 4.25)")
     conv.add_argument("--calib", action="append", default=None, metavar="FILE",
-                      help="calibration text: .txt, .jsonl (\"text\" field) or .parquet (repeatable); default: text sampled from the model")
+                      help="calibration text: .txt, .jsonl (\"text\" field) or .parquet (repeatable); default: text sampled "
+                      "from the model, which needs no download but calibrates worse than real text below 4 bpw")
     conv.add_argument("--calib-seq-len", type=_positive_int, default=512, help="tokens per calibration window")
     conv.add_argument("--calib-windows", type=_positive_int, default=32, help="number of calibration windows")
     conv.add_argument("--calib-samples", type=_positive_int, default=None, metavar="N",
