@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import bz2
 import html
-import os
 import re
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from halfbyte.io.atomic import atomic_file
 
 WHEEL = "gensim==4.3.3"
 LEE = "gensim/test/test_data/lee_background.cor"
@@ -56,9 +57,8 @@ def wiki_plain_text(xml: str) -> str:
 
 
 def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    with atomic_file(path) as part:
+        part.write_bytes(data)
 
 
 def main() -> None:
