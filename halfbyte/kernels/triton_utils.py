@@ -17,7 +17,6 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
     tl = None
     HAS_TRITON = False
-    pdl_sync = None
 
 
 def next_power_of_2(n: int) -> int:
@@ -62,3 +61,6 @@ if HAS_TRITON:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+else:  # pragma: no cover
+    pdl_sync = None

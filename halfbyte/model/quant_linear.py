@@ -52,10 +52,10 @@ class QuantLinear(nn.Module):
             self.dense_t = w.dequantize(self.dtype).t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor | None = None
         if self.dense_t is not None:
             y = torch.mm(x, self.dense_t)
         elif self.cpu_int4:
-            y = None
             for start, end, packed in self.cpu_int4:
                 part = cpu_int4.int4_matmul_cpu(x[:, start:end], packed)
                 y = part if y is None else y + part
@@ -64,9 +64,8 @@ class QuantLinear(nn.Module):
         else:
             w = self.qweight
             xs = x[:, w.perm.long()] if w.perm is not None else x
-            y = None
             for s in w.slices:
                 part = quant_matmul(xs[:, s.k_start : s.k_end], s.qweight, s.scales, s.mins, s.bits, s.group_size)
                 y = part if y is None else y + part
-            assert y is not None
+        assert y is not None
         return y + self.bias if self.bias is not None else y

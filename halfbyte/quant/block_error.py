@@ -49,7 +49,8 @@ def sweep_chunks(candidates: list[Candidate], n: int, k: int, act_order: bool) -
 def subsample(lengths: list[int], max_tokens: int) -> tuple[int, list[int]]:
     """(rows, lengths) of the leading whole calibration sequences with at most max_tokens tokens
     (at least one sequence)."""
-    rows, out = 0, []
+    rows = 0
+    out: list[int] = []
     for n in lengths:
         if out and rows + n > max_tokens:
             break

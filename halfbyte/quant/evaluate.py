@@ -10,12 +10,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch
 from rich.progress import Progress
 
 from halfbyte.errors import HalfbyteError
+
+if TYPE_CHECKING:
+    from halfbyte.model.llama import LlamaModel
 
 _ROWS = 256  # positions per log-softmax chunk: bounds the [rows, vocab] temporaries
 
@@ -77,7 +81,7 @@ def _progress(total: int, what: str, show: bool) -> tuple[Progress | None, objec
     return progress, progress.add_task(what, total=total)
 
 
-def perplexity(model: object, windows: list[list[int]], show_progress: bool = False) -> PerplexityResult:
+def perplexity(model: LlamaModel, windows: list[list[int]], show_progress: bool = False) -> PerplexityResult:
     """exp(mean negative log-likelihood) of every token after the first of each window."""
     from halfbyte.engine.scoring import score_tokens
 
@@ -103,7 +107,7 @@ def perplexity(model: object, windows: list[list[int]], show_progress: bool = Fa
 
 
 def kl_divergence(
-    model: object, reference: object, windows: list[list[int]], show_progress: bool = False
+    model: LlamaModel, reference: LlamaModel, windows: list[list[int]], show_progress: bool = False
 ) -> KLResult:
     """KL(reference || model) of the next-token distributions at every position, and how often
     their top-1 tokens agree."""

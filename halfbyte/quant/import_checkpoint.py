@@ -94,8 +94,8 @@ def _regroup(w: QuantWeight, bits: int, group_size: int) -> QuantWeight:
 
 def fuse(parts: list[QuantWeight]) -> tuple[QuantWeight | None, str]:
     """concat_out after unifying bits and group sizes; (None, why) when the permutations differ."""
-    perms = [p.perm for p in parts]
-    if any((a is None) != (perms[0] is None) or (a is not None and not torch.equal(a, perms[0])) for a in perms):
+    first = parts[0].perm
+    if any(p.perm is not first and (p.perm is None or first is None or not torch.equal(p.perm, first)) for p in parts):
         return None, "act-order permutations differ"
     if any(len(p.slices) != 1 for p in parts):
         return concat_out(parts), ""
@@ -215,6 +215,7 @@ def emit_layer(
 ) -> None:
     """Write one output layer (fused when it has several parts) and its bias."""
     weights = [w for _, w, _ in parts]
+    qw: QuantWeight | None
     if len(parts) == 1:
         qw, note = weights[0], ""
     else:

@@ -310,7 +310,8 @@ def import_gguf_quantized(
 
     def read(prefix: str) -> QuantWeight:
         t = by_name[f"{prefix}.weight"]
-        imported = gguf_to_quant_weight(np.asarray(t.data), t.tensor_type, shapes[t.name], prefix, q6k_bits, measure)
+        n, k = shapes[t.name]  # a linear layer's weight: two dimensions (checked with the plan)
+        imported = gguf_to_quant_weight(np.asarray(t.data), t.tensor_type, (n, k), prefix, q6k_bits, measure)
         err = imported.max_abs_err
         report.layers.append(LayerReport(prefix, imported.source_type, imported.exact, 0.0 if err != err else err, imported.note))
         if not imported.exact:
@@ -322,7 +323,7 @@ def import_gguf_quantized(
     def fill(tmp: Path) -> None:
         writer, layers, written = ShardWriter(tmp), {}, []  # type: ignore[var-annotated]
         for fused_prefix, members in progress(plan_layers(prefixes), f"importing {path.name}", show_progress):
-            parts = [(p, read(p), None) for p in members]
+            parts: list[tuple[str, QuantWeight, torch.Tensor | None]] = [(p, read(p), None) for p in members]
             written.extend(w for _, w, _ in parts)
             emit_layer(writer, layers, report, fused_prefix, parts, unfusable)
         quantized = {f"{p}.weight" for p in prefixes}

@@ -109,8 +109,8 @@ def read_layer(src: WeightSource, i: int) -> LayerWeights:
     biases: dict[str, torch.Tensor | None] = {}
     for unit, parts in _PARTS.items():
         matrices[unit] = torch.cat([src.get(f"{base}.{p}.weight").float() for p in parts])
-        bs = [src.get_optional(f"{base}.{p}.bias") for p in parts]
-        biases[unit] = torch.cat(bs) if all(b is not None for b in bs) else None  # type: ignore[misc]
+        bs = [b for p in parts if (b := src.get_optional(f"{base}.{p}.bias")) is not None]
+        biases[unit] = torch.cat(bs) if len(bs) == len(parts) else None
     return LayerWeights(
         matrices, biases, src.get(f"{base}.input_layernorm.weight"), src.get(f"{base}.post_attention_layernorm.weight")
     )
@@ -139,7 +139,8 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
 
 def _attention_batches(lengths: list[int], max_tokens: int) -> Iterator[tuple[int, int, list[int]]]:
     """(first row, end row, sequence lengths) of consecutive sequences up to max_tokens."""
-    start, row, group = 0, 0, []
+    start, row = 0, 0
+    group: list[int] = []
     for n in lengths:
         if group and sum(group) + n > max_tokens:
             yield start, row, group
@@ -167,7 +168,8 @@ def attention_core(
     fused qkv weight w_qkv (float or dequantized)."""
     attn = Attention(cfg, torch.float32, torch.device("cpu"))
     attn.qkv_proj.weight = nn.Parameter(w_qkv, False)
-    attn.qkv_proj.bias = nn.Parameter(lw.biases[UNITS[0]].float(), False) if lw.biases[UNITS[0]] is not None else None
+    qkv_bias = lw.biases[UNITS[0]]
+    attn.qkv_proj.bias = nn.Parameter(qkv_bias.float(), False) if qkv_bias is not None else None
     attn.o_proj = nn.Identity()  # type: ignore[assignment]  # we want o_proj's input
     o_in = torch.empty(x1.shape[0], cfg.q_size)  # [T, q_size]
     with torch.no_grad():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -104,12 +105,11 @@ class Candidate:
 
     @classmethod
     def from_json(cls, d: dict[str, object]) -> Candidate:
-        parts = tuple((float(f), int(b)) for f, b in d["parts"])  # type: ignore[union-attr]
-        table = d.get("table")
-        return cls(parts, int(d["group_size"]),  # type: ignore[call-overload]
-                   bool(d.get("act_order", True)), bool(d.get("scale_codes", False)),
-                   int(d.get("order_block", 1)),  # type: ignore[call-overload]
-                   (int(table[0]), int(table[1])) if table is not None else None)  # type: ignore[index]
+        raw: Any = d  # parsed JSON: the fields' types are checked by the conversions
+        parts = tuple((float(f), int(b)) for f, b in raw["parts"])
+        table = raw.get("table")
+        return cls(parts, int(raw["group_size"]), bool(raw.get("act_order", True)), bool(raw.get("scale_codes", False)),
+                   int(raw.get("order_block", 1)), (int(table[0]), int(table[1])) if table is not None else None)
 
 
 def default_candidates(group_size: int | None = None, low_bits: bool = False) -> list[Candidate]:
@@ -199,7 +199,7 @@ class _GroupJob:
     end: int
     bits: int
     codes: list[ScaleCodes | None]  # per candidate: its slice's 8-bit code steps, if coded
-    tables: tuple[torch.Tensor, ...] | None = None  # a table-coded candidate's (base, tables)
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # a table-coded candidate's (base, scale table, min table)
 
 
 def _group_jobs(weight: torch.Tensor, candidates: list[Candidate]) -> tuple[torch.Tensor, dict[int, list[_GroupJob]]]:

@@ -120,10 +120,11 @@ class QuantSlice:
     def storage_bits(self) -> int:
         return slice_storage_bits(self.width, self.bits, self.group_size, self.scales.shape[1], code_spec(self.codes))
 
-    def meta(self) -> dict[str, int]:
-        out = {"k_start": self.k_start, "k_end": self.k_end, "bits": self.bits, "group_size": self.group_size}
+    def meta(self) -> dict[str, int | str]:
+        out: dict[str, int | str] = {"k_start": self.k_start, "k_end": self.k_end, "bits": self.bits,
+                                     "group_size": self.group_size}
         if isinstance(self.codes, TableCodes):
-            out.update(scale_codes="table", scale_bits=self.codes.scale_bits, min_bits=self.codes.min_bits)  # type: ignore[arg-type]
+            out.update(scale_codes="table", scale_bits=self.codes.scale_bits, min_bits=self.codes.min_bits)
         elif self.codes is not None:
             out["scale_codes"] = 8
         return out
