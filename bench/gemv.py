@@ -27,6 +27,13 @@ SHAPES = {  # name: (N out, K in)
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
     "70b.qkv": (10240, 8192), "70b.o": (8192, 8192), "70b.gate_up": (57344, 8192), "70b.down": (8192, 28672),
 }
+# One rank's shards at tensor_parallel_size 2 (qkv and gate_up split by columns, o and down by
+# K): what each GPU streams in a 2-GPU decode step. Only by name (--shapes); not in the default run.
+TP2_SHAPES = {
+    "8b.tp2.qkv": (3072, 4096), "8b.tp2.o": (4096, 2048), "8b.tp2.gate_up": (14336, 4096), "8b.tp2.down": (4096, 7168),
+    "70b.tp2.qkv": (5120, 8192), "70b.tp2.o": (8192, 4096), "70b.tp2.gate_up": (28672, 8192),
+    "70b.tp2.down": (8192, 14336),
+}
 
 
 def graph_time(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
@@ -121,15 +128,18 @@ def main() -> None:
                     "too (gemv_w4 _diag 1 / 2: timing only, wrong outputs): what each costs")
     ap.add_argument("--no-read-ceiling", action="store_true",
                     help="skip timing a plain read of each shape's bytes (bench/read_ceiling.py)")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join({**SHAPES, **TP2_SHAPES})}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    known = {**SHAPES, **TP2_SHAPES}
+    if unknown := [s for s in args.shapes.split(",") if s not in known]:
+        ap.error(f"unknown shape(s) {', '.join(unknown)}; known: {', '.join(known)}")
     copy_gbs = copy_bandwidth()
     copy_graph_gbs = copy_bandwidth_in_graph()
     read_gbs = read_bandwidth()
     rows = []
     for name in args.shapes.split(","):
-        n, k = SHAPES[name]
+        n, k = known[name]
         copies = [make_weight(n, k, args.bits, args.group)]
         nbytes = copies[0][0].numel() * 4 + copies[0][1].numel() * 2 + copies[0][2].numel() * 2
         copies += [make_weight(n, k, args.bits, args.group) for _ in range(max(0, -(-240_000_000 // nbytes) - 1))]
