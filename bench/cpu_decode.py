@@ -1,11 +1,14 @@
 """CPU decode speed on the embedded default model: halfbyte beside transformers, same run.
 
-Usage: python bench/cpu_decode.py [--model DIR] [--quantized DIR] [--new-tokens 128] [--json OUT.json]
+Usage: python bench/cpu_decode.py [--model DIR] [--quantized DIR] [--new-tokens 128] [--prefill 128,512,1024]
+                                  [--long-context 1024] [--json OUT.json]
 
 Rows: halfbyte's fp32 reference path on the dequantized import; halfbyte's 4-bit path (the
 GGUF's own Q4_1 weights imported bit-exact, bf16 activations, torch's int4 CPU kernel);
-transformers fp32 and bf16 on the dequantized import. Prints a table last; the ratios are the
-numbers to track (BENCHMARKS.md)."""
+transformers fp32 and bf16 on the dequantized import. Per row also: prefill speed of prompts of
+the --prefill lengths (random token ids, a different prompt for every timed run: no prefix-cache
+hits; best of 3) and decode speed after a --long-context prompt. Prints a table last; the
+ratios are the numbers to track (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -33,21 +36,45 @@ def default_quantized_dir() -> Path:
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def bench_halfbyte(model_dir: Path, new_tokens: int, dtype: str) -> dict[str, float]:
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _decode_speed(llm: LLM, prompt_ids: list[int], new_tokens: int) -> tuple[float, float]:
+    """(decode tokens/s after the first token, time to the first token in s)."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    first: list[float] = []
+    llm.generate(prompt_ids, params, on_token=lambda rid, d: first.append(time.perf_counter()) if not first else None)
+    total = time.perf_counter() - t0
+    ttft = (first[0] - t0) if first else float("nan")
+    return (new_tokens - 1) / (total - ttft), ttft
+
+
+def bench_halfbyte(model_dir: Path, new_tokens: int, dtype: str, prefill: list[int], long_context: int) -> dict[str, float]:
     with LLM(model_dir, device="cpu", dtype=dtype) as llm:
-        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))  # warm-up
         prompt_ids = llm.tokenizer.encode(PROMPT)
         # time prefill and decode separately: first token, then the rest
-        t0 = time.perf_counter()
-        first: list[float] = []
-        llm.generate(prompt_ids, params, on_token=lambda rid, d: first.append(time.perf_counter()) if not first else None)
-        total = time.perf_counter() - t0
-        ttft = (first[0] - t0) if first else float("nan")
-        return {"tokens_per_s": (new_tokens - 1) / (total - ttft), "ttft_s": ttft, "prompt_tokens": len(prompt_ids)}
+        speed, ttft = _decode_speed(llm, prompt_ids, new_tokens)
+        row = {"tokens_per_s": speed, "ttft_s": ttft, "prompt_tokens": len(prompt_ids)}
+        vocab = llm.tokenizer.vocab_size
+        for n in prefill:
+            times = []
+            for seed in range(4):  # the first warms this length up
+                ids = random_prompt(n, vocab, seed)
+                t0 = time.perf_counter()
+                llm.generate(ids, SamplingParams(max_tokens=1, temperature=0))
+                times.append(time.perf_counter() - t0)
+            row[f"prefill_{n}_tokens_per_s"] = n / min(times[1:])
+        if long_context:
+            row[f"decode_after_{long_context}_tokens_per_s"] = _decode_speed(
+                llm, random_prompt(long_context, vocab, 99), new_tokens)[0]
+        return row
 
 
-def bench_transformers(model_dir: Path, new_tokens: int, dtype: torch.dtype) -> dict[str, float]:
+def bench_transformers(model_dir: Path, new_tokens: int, dtype: torch.dtype, prefill: list[int],
+                       long_context: int) -> dict[str, float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -61,8 +88,26 @@ def bench_transformers(model_dir: Path, new_tokens: int, dtype: torch.dtype) -> 
         t0 = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         total = time.perf_counter() - t0
-    assert out.shape[1] - ids.shape[1] == new_tokens
-    return {"tokens_per_s": (new_tokens - 1) / (total - ttft), "ttft_s": ttft, "prompt_tokens": ids.shape[1]}
+        assert out.shape[1] - ids.shape[1] == new_tokens
+        row = {"tokens_per_s": (new_tokens - 1) / (total - ttft), "ttft_s": ttft, "prompt_tokens": ids.shape[1]}
+        for n in prefill:  # one forward pass over the prompt: what generate's first step does
+            times = []
+            for seed in range(4):
+                x = torch.tensor([random_prompt(n, len(tok), seed)])
+                t0 = time.perf_counter()
+                model(x, logits_to_keep=1)
+                times.append(time.perf_counter() - t0)
+            row[f"prefill_{n}_tokens_per_s"] = n / min(times[1:])
+        if long_context:
+            x = torch.tensor([random_prompt(long_context, len(tok), 99)])
+            model.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            t0 = time.perf_counter()
+            model.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            row[f"decode_after_{long_context}_tokens_per_s"] = (new_tokens - 1) / (time.perf_counter() - t0 - first)
+    return row
 
 
 def main() -> None:
@@ -71,16 +116,20 @@ def main() -> None:
     ap.add_argument("--quantized", default=None, help="halfbyte 4-bit directory (default: import the default GGUF)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill", default="128,512,1024", help="prompt lengths whose prefill speed is timed ('' for none)")
+    ap.add_argument("--long-context", type=int, default=1024, help="decode speed after a prompt this long (0: skip)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else ensure_default_model(fetch=True)
     quant_dir = Path(args.quantized) if args.quantized else default_quantized_dir()
+    prefill = [int(v) for v in args.prefill.split(",") if v]
+    extra = (prefill, args.long_context)
     rows = {
-        "halfbyte fp32": bench_halfbyte(model_dir, args.new_tokens, "float32"),
-        "halfbyte 4-bit bf16": bench_halfbyte(quant_dir, args.new_tokens, "bfloat16"),
-        "transformers fp32": bench_transformers(model_dir, args.new_tokens, torch.float32),
-        "transformers bf16": bench_transformers(model_dir, args.new_tokens, torch.bfloat16),
+        "halfbyte fp32": bench_halfbyte(model_dir, args.new_tokens, "float32", *extra),
+        "halfbyte 4-bit bf16": bench_halfbyte(quant_dir, args.new_tokens, "bfloat16", *extra),
+        "transformers fp32": bench_transformers(model_dir, args.new_tokens, torch.float32, *extra),
+        "transformers bf16": bench_transformers(model_dir, args.new_tokens, torch.bfloat16, *extra),
     }
     speed = {name: r["tokens_per_s"] for name, r in rows.items()}
     result = {
@@ -92,9 +141,12 @@ def main() -> None:
     }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"\n{'engine':<22}{'decode tok/s':>14}{'TTFT ms':>10}")
+    cols = [f"prefill_{n}_tokens_per_s" for n in prefill] + (
+        [f"decode_after_{args.long_context}_tokens_per_s"] if args.long_context else [])
+    heads = [f"prefill {n}" for n in prefill] + ([f"decode @{args.long_context}"] if args.long_context else [])
+    print(f"\n{'engine':<22}{'decode tok/s':>14}{'TTFT ms':>10}" + "".join(f"{h:>16}" for h in heads) + "  (tok/s)")
     for name, r in rows.items():
-        print(f"{name:<22}{r['tokens_per_s']:>14.1f}{r['ttft_s'] * 1000:>10.1f}")
+        print(f"{name:<22}{r['tokens_per_s']:>14.1f}{r['ttft_s'] * 1000:>10.1f}" + "".join(f"{r[c]:>16.1f}" for c in cols))
     print(f"halfbyte fp32 / transformers fp32: {result['ratio']:.2f}x; halfbyte 4-bit / transformers fp32: "
           f"{result['ratio_4bit']:.2f}x; halfbyte 4-bit / transformers bf16: {result['ratio_4bit_vs_bf16']:.2f}x")
 

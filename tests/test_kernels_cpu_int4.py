@@ -15,7 +15,9 @@ from tests.test_kernels_quant_matmul import random_packed
 pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="this torch has no int4 CPU kernel")
 
 
-@pytest.mark.parametrize("m,n,k,group", [(1, 96, 576, 32), (3, 960, 576, 32), (2, 64, 1024, 128), (5, 48, 512, 64)])
+@pytest.mark.parametrize("m,n,k,group", [(1, 96, 576, 32), (3, 960, 576, 32), (2, 64, 1024, 128), (5, 48, 512, 64),
+                                         # from DENSE_ROWS rows on: dequantized to bf16 + dense matmul
+                                         (cpu_int4.DENSE_ROWS, 96, 576, 32), (200, 48, 512, 256)])
 def test_int4_matmul_cpu_matches_reference(m: int, n: int, k: int, group: int) -> None:
     qweight, scales, mins = (t.cpu() for t in random_packed(n, k, 4, group, seed=n + k))  # a CPU kernel
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + n))
@@ -25,11 +27,24 @@ def test_int4_matmul_cpu_matches_reference(m: int, n: int, k: int, group: int) -
     # bf16 activations, scales and output: rounding of x alone costs ~2.5e-3 here
     assert rel_err(out, ref) <= 6e-3
     # and the wrong zero (m instead of m + 8s) would be far off: the check can fail
-    wrong = cpu_int4.CpuInt4Weight(
-        cpu_int4.pack_for_cpu(qweight, scales, mins, group, k).packed,
-        torch.stack([scales.float(), mins.float()], -1).bfloat16(), group,
-    )
+    wrong = cpu_int4.pack_for_cpu(qweight, scales, mins - 8 * scales.float(), group, k)
     assert rel_err(cpu_int4.int4_matmul_cpu(x, wrong), ref) > 0.05
+
+
+@pytest.mark.parametrize("n,k,group", [(96, 576, 32), (48, 512, 256)])
+def test_dequantize_t_is_the_int4_kernels_weight(n: int, k: int, group: int) -> None:
+    """The dense path's bf16 W^T against the format's fp32 dequantization (one bf16 rounding),
+    and the two CPU paths against each other on the same rows."""
+    qweight, scales, mins = (t.cpu() for t in random_packed(n, k, 4, group, seed=n * k))
+    w = cpu_int4.pack_for_cpu(qweight, scales, mins, group, k)
+    eye = torch.eye(k)
+    ref_t = quant_matmul_ref(eye, qweight, scales, mins, 4, group)  # [K, N] = W^T in fp32
+    dense_t = cpu_int4.dequantize_t(w)
+    assert dense_t.dtype == torch.bfloat16 and dense_t.shape == (k, n)
+    assert rel_err(dense_t, ref_t) <= 4e-3  # bf16 scales and zeros, one rounding of each weight
+    x = torch.randn(cpu_int4.DENSE_ROWS - 1, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, group, w.scales_and_zeros)
+    assert rel_err(torch.mm(x, dense_t), kernel) <= 6e-3
 
 
 def test_supports_only_what_the_kernel_takes() -> None:

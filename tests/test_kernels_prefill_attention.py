@@ -66,3 +66,32 @@ def test_prefill_attention_reads_only_its_slots() -> None:
     sl = torch.tensor(meta.seq_lens, dtype=torch.int32, device=DEVICE)
     out = prefill_attention_triton(q, k_cache, v_cache, meta.block_tables, qs, sl, 18, 0.25)
     assert not out.isnan().any() and rel_err(out, ref) <= 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "new,context,hq,hkv,window",
+    [
+        ([37], [0], 9, 3, None),                      # a whole prompt, SmolLM2 heads (causal flash)
+        ([20, 5, 1, 70], [0, 33, 48, 16], 8, 2, None),  # extends over cached prefixes + a decode row (mask)
+        ([1], [90], 9, 3, None),                      # a lone sequence's decode step
+        ([50, 9], [30, 0], 4, 4, 24),                 # MHA, sliding window
+    ],
+)
+def test_cpu_dispatch_matches_the_reference(new, context, hq, hkv, window, dtype, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On the CPU paged_attention runs torch's fused attention (not the fp32 reference) for
+    everything but decode batches; HALFBYTE_REFERENCE=1 gives the reference itself back."""
+    import halfbyte.kernels.attention as attention
+
+    q, k_cache, v_cache, meta = _case(new, context, hq, hkv, 32, 16, torch.float32, seed=sum(new) + hq)
+    q, k_cache, v_cache = q.cpu().to(dtype), k_cache.cpu().to(dtype), v_cache.cpu().to(dtype)
+    meta.block_tables, meta.slot_mapping = meta.block_tables.cpu(), meta.slot_mapping.cpu()
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, 32**-0.5, window)
+    calls: list[int] = []
+    monkeypatch.setattr(attention, "paged_attention_ref", lambda *a: calls.append(1) or paged_attention_ref(*a))
+    out = attention.paged_attention(q, k_cache, v_cache, meta, 32**-0.5, window)
+    assert not calls  # the fused path, not the reference
+    assert out.dtype == dtype and not out.isnan().any()
+    assert rel_err(out, ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    monkeypatch.setenv("HALFBYTE_REFERENCE", "1")
+    assert torch.equal(attention.paged_attention(q, k_cache, v_cache, meta, 32**-0.5, window), ref) and calls

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from halfbyte.kernels.dispatch import use_triton
+from halfbyte.kernels.dispatch import reference_forced, use_triton
 
 # prefill / extend / mixed batches on CUDA: "sdpa" (torch's flash attention per sequence, the
 # path measured on the H200: 5.3 ms for a 2,048-token 8B prefill) or "triton"
@@ -190,7 +190,10 @@ def paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.device_query_start(), meta.device_seq_lens(),
             meta.max_new_tokens, scale, sliding_window,
         )
-    if q.is_cuda:
+    if q.is_cuda or not (reference_forced() or (meta.is_decode and meta.num_seqs > 1)):
+        # the CPU too, but for decode batches (one padded op): torch's fused CPU attention ran a
+        # 512-token SmolLM2 prefill's attention 5-16x faster than the reference's fp32 scores, and
+        # needs no fp32 copy of a lone sequence's whole KV per decode step (BENCHMARKS.md, CPU prefill)
         return prefill_attention_sdpa(q, k_cache, v_cache, meta, scale, sliding_window)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
 
@@ -203,21 +206,25 @@ def prefill_attention_sdpa(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Prefill / extend on CUDA through torch's fused attention (flash when nothing is cached),
-    one sequence at a time; HALFBYTE_PREFILL_ATTENTION=triton selects the Triton kernel instead."""
+    """Prefill / extend through torch's fused attention (flash when nothing is cached), one
+    sequence at a time: on CUDA (HALFBYTE_PREFILL_ATTENTION=triton selects the Triton kernel
+    instead) and on the CPU (its flash kernel, in the inputs' dtype with fp32 sums; there also
+    a lone sequence's decode step)."""
     out = torch.empty_like(q)
     for rows, qb, k, v, seq_len in _per_sequence(q, k_cache, v_cache, meta):
         n_new = qb.shape[1]
-        # flash attention takes 4-D [batch, heads, L, D] inputs with equal head counts: 3-D or GQA
-        # inputs sent torch 2.11 to its fp32 math kernel (60% of a 2,048-token prefill on the H200)
+        # flash attention on CUDA takes 4-D [batch, heads, L, D] inputs with equal head counts: 3-D
+        # or GQA inputs sent torch 2.11 to its fp32 math kernel (60% of a 2,048-token prefill on
+        # the H200). The CPU's flash kernel takes KV heads shared by query groups as they are.
         group = qb.shape[0] // k.shape[0]
-        if group > 1:
+        gqa = {"enable_gqa": True} if group > 1 and not q.is_cuda else {}
+        if group > 1 and q.is_cuda:
             k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
         qb, k, v = qb.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         if n_new == seq_len and not (sliding_window is not None and seq_len > sliding_window):
-            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, **gqa)
         else:
             mask = _causal_mask(n_new, seq_len, sliding_window, q.device)
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, **gqa)
         out[rows] = o[0].transpose(0, 1)
     return out
