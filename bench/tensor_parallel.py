@@ -8,6 +8,12 @@ Several GPUs (issue 9), one process per GPU, each rank building its random shard
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --nproc-per-node 2 \
         bench/tensor_parallel.py --shape llama3-70b --bits 4 --group 128
 The CPU works too (gloo; --device cpu --shape smollm2-135m) for a smoke run.
+One GPU, one rank's share of the work (what a single GPU can say about N-GPU scaling): the
+whole model beside rank 0's shard at tensor_parallel_size N with the collectives left out
+(identity), interleaved in one run:
+    python bench/tensor_parallel.py --shape llama3-70b --shard-of 2
+The shard's step time is the floor of the N-GPU step; its ratio to the whole model's bounds the
+scaling before any time in all-reduces.
 
 Ranks run the decode loop SPMD (same inputs, the all-gathered logits pick the same token on
 every rank), so rank 0's step broadcast of the engine is not in these numbers."""
@@ -100,8 +106,10 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def decode(model: LlamaModel, pool: PagePool, graphs: CudaGraphDecoder | None, context: int, steps: int) -> float:
-    """Batch-1 decode tokens/s after a `context`-token prefill."""
+def decode(model: LlamaModel, pool: PagePool, graphs: CudaGraphDecoder | None, context: int, steps: int,
+           profile_label: str = "") -> float:
+    """Batch-1 decode tokens/s after a `context`-token prefill. profile_label: also print the GPU
+    time per step by kernel (torch profiler; CUDA-graph replays included) under that label."""
     dev = model.device
     table = list(range(-(-(context + steps) // PAGE)))
     tables = torch.tensor([table], dtype=torch.int32, device=dev)
@@ -113,6 +121,12 @@ def decode(model: LlamaModel, pool: PagePool, graphs: CudaGraphDecoder | None, c
     hidden = model(ids, pos, pool.kv_caches, AttentionMetadata([0, context], [context], tables, slots))
     token = model.compute_logits(hidden[-1:]).argmax(-1)
     _sync(dev)
+    prof = None
+    if profile_label and dev.type == "cuda":  # kernels inside graph replays too (CUPTI)
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.__enter__()
     start = time.perf_counter()
     for i in range(steps):
         p = context + i
@@ -126,7 +140,15 @@ def decode(model: LlamaModel, pool: PagePool, graphs: CudaGraphDecoder | None, c
             logits = model.compute_logits(model(token, pos, pool.kv_caches, meta))
         token = logits.argmax(-1)
     _sync(dev)
-    return steps / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        busy = sum(e.device_time_total for e in events) / steps
+        print(f"{profile_label}: {1e6 * elapsed / steps:.0f} us per step (profiled), kernels busy {busy:.0f} us; per step:")
+        for e in sorted(events, key=lambda e: -e.device_time_total)[:12]:
+            print(f"  {e.device_time_total / steps:8.1f} us  {e.count / steps:6.1f} x  {e.key[:90]}")
+    return steps / elapsed
 
 
 def _setup(model: LlamaModel, context: int, steps: int, dtype: torch.dtype, use_graphs: bool,
@@ -137,6 +159,31 @@ def _setup(model: LlamaModel, context: int, steps: int, dtype: torch.dtype, use_
     if use_graphs and model.device.type == "cuda":
         graphs = CudaGraphDecoder(model, pool.kv_caches, 1, context + steps + PAGE, pool.scratch_page)
     return pool, graphs
+
+
+def shard_speed(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype, base: torch.device,
+                use_graphs: bool, results: dict[str, object]) -> None:
+    """The whole model and rank 0's shard at tensor_parallel_size args.shard_of, each its own
+    random weights, decode interleaved; the shard's collectives are identities (a world of one)."""
+    dev = base if base.type == "cpu" else torch.device("cuda", 0)
+    whole = random_model(args.shape, args.bits, args.group, dtype, dev, cfg.max_position_embeddings)
+    shard = parallel_model(cfg, args.bits, args.group, dtype, dev, 0, args.shard_of, Collectives(None, 0, 1))
+    runs = {"whole": (whole, *_setup(whole, args.context, args.steps, dtype, use_graphs)),
+            "shard": (shard, *_setup(shard, args.context, args.steps, dtype, use_graphs))}
+    best = {k: 0.0 for k in runs}
+    for _ in range(args.repeats):
+        for name, (m, pool, graphs) in runs.items():
+            best[name] = max(best[name], decode(m, pool, graphs, args.context, args.steps))
+    results.update({"shard_of": args.shard_of, "whole_tok_s": round(best["whole"], 2),
+                    "shard_tok_s": round(best["shard"], 2),
+                    "whole_ms_per_step": round(1000 / best["whole"], 3), "shard_ms_per_step": round(1000 / best["shard"], 3),
+                    "scaling_bound_without_collectives": round(best["shard"] / best["whole"], 3)})
+    if args.profile:
+        for name, (m, pool, graphs) in runs.items():
+            decode(m, pool, graphs, args.context, 16, profile_label=name)
+    print(json.dumps(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 def main() -> None:
@@ -150,6 +197,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode only")
     ap.add_argument("--kv-tokens", type=int, default=0, help="size the KV pool for this many tokens (memory per rank)")
+    ap.add_argument("--profile", action="store_true", help="with --shard-of: GPU time by kernel of both, per step")
+    ap.add_argument("--shard-of", type=int, default=0,
+                    help="one GPU: the whole model vs rank 0's shard at this tensor_parallel_size, no collectives")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base = torch.device(args.device)
@@ -161,6 +211,9 @@ def main() -> None:
                                   "nccl_proto": os.environ.get("NCCL_PROTO", "default"),
                                   "context": args.context, "steps": args.steps, "graphs": use_graphs}
 
+    if args.shard_of > 1 and not launched_by_torchrun():
+        shard_speed(args, cfg, dtype, base, use_graphs, results)
+        return
     if not launched_by_torchrun():  # one device: plain vs tensor_parallel_size 1, same weights
         dev = base if base.type == "cpu" else torch.device("cuda", 0)
         plain = random_model(args.shape, args.bits, args.group, dtype, dev, cfg.max_position_embeddings)
