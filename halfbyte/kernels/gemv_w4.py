@@ -253,12 +253,15 @@ _M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int, bool]] = 
     (8192, 8192): (64, 32, 8, 2, 4, True),  # 70B o
     (57344, 8192): (64, 64, None, 2, 8, True),  # 70B gate_up
     (8192, 28672): (64, 64, 8, 2, 8, True),  # 70B down
-    # one rank's shards at tensor_parallel_size 2 (bench/gemv.py --shapes 70b.tp2.*,8b.tp2.* --sweep-b1,
-    # 2026-12-05, against the untuned default in the same call, us)
-    (5120, 8192): (64, 16, 16, 4, 4, False),  # 70B qkv / 2: 15.7 -> 10.4
-    (8192, 4096): (256, 16, 16, 4, 4, False),  # 70B o / 2: 12.5 -> 9.0
-    (28672, 8192): (64, 32, 8, 4, 4, False),  # 70B gate_up / 2: 46.5 -> 38.3
-    (8192, 14336): (64, 32, 8, 2, 4, False),  # 70B down / 2: 35.1 -> 21.6
+    # One rank's shards at tensor_parallel_size 2. 70B: judged by the shard's decode step on one
+    # GPU (bench/tensor_parallel.py --shard-of 2; the chained bench's winners made the step 9.9 ms,
+    # the whole model's configs 8.3, these two changes from those 8.2 each; 2026-12-05).
+    (5120, 8192): (256, 16, None, 2, 4, False),  # 70B qkv / 2
+    (8192, 4096): (64, 32, 8, 2, 4, True),  # 70B o / 2
+    (28672, 8192): (64, 64, None, 2, 8, True),  # 70B gate_up / 2
+    (8192, 14336): (64, 64, 4, 2, 8, True),  # 70B down / 2
+    # 8B: the chained bench's winners (bench/gemv.py --shapes 8b.tp2.* --sweep-b1, us against the
+    # untuned default), not yet judged in a decode step
     (3072, 4096): (64, 8, 16, 2, 4, False),  # 8B qkv / 2: 6.5 -> 6.3
     (4096, 2048): (256, 16, 16, 2, 4, False),  # 8B o / 2: 5.7 -> 4.7
     (14336, 4096): (64, 16, 8, 2, 4, False),  # 8B gate_up / 2: 20.2 -> 13.6
@@ -292,8 +295,9 @@ def gemv_w4(
     n = qweight.shape[1]
     assert (k // 8) * n < 2**31, "word offsets are int32"
     tuned = _M1_TUNED.get((n, k))
-    if tuned is None:  # untuned shapes. Large: the best single config over the four 70B tp2 shards
-        # (within 7% of each shard's best; the earlier default, 70B o's winner, was 19-62% slower)
+    if tuned is None:  # untuned shapes. Large: the chained bench's best single config over the four
+        # 70B tp2 shards (within 7% of each one's best there; the 70B shard's decode step 9.5-9.6 ms
+        # with it for all four, 10.2-10.3 with the earlier default, 70B o's winner)
         tuned = (64, 16, 16, 2, 4, False) if n * k >= 32 * 2**20 else (128, 64, None, 4, 4, False)
     block_n = block_n or tuned[0]
     block_kw = block_kw or tuned[1]
