@@ -217,14 +217,14 @@ def prefill_attention_sdpa(
         # or GQA inputs sent torch 2.11 to its fp32 math kernel (60% of a 2,048-token prefill on
         # the H200). The CPU's flash kernel takes KV heads shared by query groups as they are.
         group = qb.shape[0] // k.shape[0]
-        gqa = {"enable_gqa": True} if group > 1 and not q.is_cuda else {}
+        gqa = group > 1 and not q.is_cuda
         if group > 1 and q.is_cuda:
             k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
         qb, k, v = qb.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         if n_new == seq_len and not (sliding_window is not None and seq_len > sliding_window):
-            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, **gqa)
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             mask = _causal_mask(n_new, seq_len, sliding_window, q.device)
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, **gqa)
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[rows] = o[0].transpose(0, 1)
     return out
