@@ -78,6 +78,7 @@ def main() -> None:
         ms = 1000 / max(tp.decode(model, pool, graphs, args.context, args.steps) for _ in range(2))
         del pool, graphs
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # ~100 graphs and pools, one after another
         return ms
 
     best = dict(start)
