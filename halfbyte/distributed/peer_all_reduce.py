@@ -1,7 +1,7 @@
 """One-launch all-reduce of a small activation over peer-mapped (symmetric) memory, in Triton.
 
 Why: a batch-1 decode step all-reduces one [1, hidden] row twice per layer (162 times per step
-on the 70B shape). Inside the CUDA graph NCCL took ~30 us per call on 2 x H200 and torch's
+on the 70B shape). Inside the CUDA graph NCCL takes ~9 us per call on 2 x H200 and torch's
 one-shot symmetric-memory op, which has no fp16 kernel, three launches (BENCHMARKS.md, issue 9).
 Here each program of one launch, for its slice of the row:
 1. writes this rank's slice into its own buffer (slot = epoch % 2),

@@ -1,8 +1,8 @@
 """All-reduce of small activations through symmetric memory, one Triton launch per call.
 
 Why: at batch 1 a decode step all-reduces a [1, hidden] row twice per layer (162 times per step
-on the 70B shape). Inside the CUDA graph NCCL took ~30 us per call at 2 ranks on H200s
-(BENCHMARKS.md, issue 9), which ate most of what halving the weights per rank saved. torch's
+on the 70B shape). Inside the CUDA graph NCCL takes ~9 us per call at 2 ranks on H200s, ~1.5 ms
+of a ~9.4 ms step (BENCHMARKS.md, issue 9: the step of one rank's shard measured alone). torch's
 one-shot op over the same memory has no fp16 kernel (torch 2.11): cast, all-reduce in fp32 and
 cast back took three launches and was ~5% slower than NCCL (70B 81.0-81.3 vs 85.1 tok/s). Now
 the symmetric buffer and signal pads that torch maps on every rank feed our own kernel
