@@ -17,7 +17,9 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +42,18 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _prefill_speed(run: Callable[[list[int]], object], n: int, vocab: int) -> float:
+    """Prompt tokens/s of run(prompt) on n random tokens: best of 3 prompts after a warm-up one,
+    each prompt different (no prefix-cache hits)."""
+    times = []
+    for seed in range(4):  # the first warms this length up
+        ids = random_prompt(n, vocab, seed)
+        t0 = time.perf_counter()
+        run(ids)
+        times.append(time.perf_counter() - t0)
+    return n / min(times[1:])
+
+
 def _decode_speed(llm: LLM, prompt_ids: list[int], new_tokens: int) -> tuple[float, float]:
     """(decode tokens/s after the first token, time to the first token in s)."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -60,17 +74,25 @@ def bench_halfbyte(model_dir: Path, new_tokens: int, dtype: str, prefill: list[i
         row = {"tokens_per_s": speed, "ttft_s": ttft, "prompt_tokens": len(prompt_ids)}
         vocab = llm.tokenizer.vocab_size
         for n in prefill:
-            times = []
-            for seed in range(4):  # the first warms this length up
-                ids = random_prompt(n, vocab, seed)
-                t0 = time.perf_counter()
-                llm.generate(ids, SamplingParams(max_tokens=1, temperature=0))
-                times.append(time.perf_counter() - t0)
-            row[f"prefill_{n}_tokens_per_s"] = n / min(times[1:])
+            row[f"prefill_{n}_tokens_per_s"] = _prefill_speed(
+                lambda ids: llm.generate(ids, SamplingParams(max_tokens=1, temperature=0)), n, vocab)
         if long_context:
             row[f"decode_after_{long_context}_tokens_per_s"] = _decode_speed(
                 llm, random_prompt(long_context, vocab, 99), new_tokens)[0]
         return row
+
+
+def _transformers_decode_speed(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """(decode tokens/s after the first token, time to the first token in s): one generate of a
+    single token, then one of new_tokens."""
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    total = time.perf_counter() - t0
+    assert out.shape[1] - ids.shape[1] == new_tokens
+    return (new_tokens - 1) / (total - ttft), ttft
 
 
 def bench_transformers(model_dir: Path, new_tokens: int, dtype: torch.dtype, prefill: list[int],
@@ -82,31 +104,15 @@ def bench_transformers(model_dir: Path, new_tokens: int, dtype: torch.dtype, pre
     ids = tok(PROMPT, return_tensors="pt").input_ids
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=8, do_sample=False)  # warm-up
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        total = time.perf_counter() - t0
-        assert out.shape[1] - ids.shape[1] == new_tokens
-        row = {"tokens_per_s": (new_tokens - 1) / (total - ttft), "ttft_s": ttft, "prompt_tokens": ids.shape[1]}
+        speed, ttft = _transformers_decode_speed(model, ids, new_tokens)
+        row = {"tokens_per_s": speed, "ttft_s": ttft, "prompt_tokens": ids.shape[1]}
         for n in prefill:  # one forward pass over the prompt: what generate's first step does
-            times = []
-            for seed in range(4):
-                x = torch.tensor([random_prompt(n, len(tok), seed)])
-                t0 = time.perf_counter()
-                model(x, logits_to_keep=1)
-                times.append(time.perf_counter() - t0)
-            row[f"prefill_{n}_tokens_per_s"] = n / min(times[1:])
+            row[f"prefill_{n}_tokens_per_s"] = _prefill_speed(
+                lambda ids: model(torch.tensor([ids]), logits_to_keep=1), n, len(tok))
         if long_context:
             x = torch.tensor([random_prompt(long_context, len(tok), 99)])
-            model.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-            t0 = time.perf_counter()
-            model.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-            first = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-            row[f"decode_after_{long_context}_tokens_per_s"] = (new_tokens - 1) / (time.perf_counter() - t0 - first)
+            model.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False)  # warm-up at this length
+            row[f"decode_after_{long_context}_tokens_per_s"] = _transformers_decode_speed(model, x, new_tokens)[0]
     return row
 
 

@@ -161,6 +161,16 @@ def _setup(model: LlamaModel, context: int, steps: int, dtype: torch.dtype, use_
     return pool, graphs
 
 
+def best_interleaved(runs: dict[str, tuple[LlamaModel, PagePool, CudaGraphDecoder | None]],
+                     args: argparse.Namespace) -> dict[str, float]:
+    """Each run's best decode tokens/s over args.repeats rounds, the runs interleaved per round."""
+    best = {k: 0.0 for k in runs}
+    for _ in range(args.repeats):
+        for name, (m, pool, graphs) in runs.items():
+            best[name] = max(best[name], decode(m, pool, graphs, args.context, args.steps))
+    return best
+
+
 def shard_speed(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype, base: torch.device,
                 use_graphs: bool, results: dict[str, object]) -> None:
     """The whole model and rank 0's shard at tensor_parallel_size args.shard_of, each its own
@@ -170,10 +180,7 @@ def shard_speed(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype, 
     shard = parallel_model(cfg, args.bits, args.group, dtype, dev, 0, args.shard_of, Collectives(None, 0, 1))
     runs = {"whole": (whole, *_setup(whole, args.context, args.steps, dtype, use_graphs)),
             "shard": (shard, *_setup(shard, args.context, args.steps, dtype, use_graphs))}
-    best = {k: 0.0 for k in runs}
-    for _ in range(args.repeats):
-        for name, (m, pool, graphs) in runs.items():
-            best[name] = max(best[name], decode(m, pool, graphs, args.context, args.steps))
+    best = best_interleaved(runs, args)
     results.update({"shard_of": args.shard_of, "whole_tok_s": round(best["whole"], 2),
                     "shard_tok_s": round(best["shard"], 2),
                     "whole_ms_per_step": round(1000 / best["whole"], 3), "shard_ms_per_step": round(1000 / best["shard"], 3),
@@ -228,10 +235,7 @@ def main() -> None:
             la = plain.compute_logits(plain(ids, torch.arange(64, device=dev), runs["plain"][1].kv_caches, meta()))
             lb = tp1.compute_logits(tp1(ids, torch.arange(64, device=dev), runs["tp1"][1].kv_caches, meta()))
             results["tp1_vs_plain_max_abs_logit_diff"] = float((la - lb).abs().max())
-        best = {k: 0.0 for k in runs}
-        for _ in range(args.repeats):
-            for name, (m, pool, graphs) in runs.items():
-                best[name] = max(best[name], decode(m, pool, graphs, args.context, args.steps))
+        best = best_interleaved(runs, args)
         results.update({f"{k}_tok_s": round(v, 2) for k, v in best.items()})
         results["tp1_over_plain"] = round(best["tp1"] / best["plain"], 4)
         print(json.dumps(results))
