@@ -17,13 +17,13 @@ def test_repack_round_trips_and_moves_every_value() -> None:
     packed = mma_w4.repack(qweight, 384, chunk=16)
     assert packed.shape == (40, 384 // 8) and packed.dtype == torch.int32
     assert torch.equal(mma_w4.unrepack(packed, 384), qweight)
-    # nibble s of word w of row n is k = 128 b + 32 t + 8 (s % 4) + 2 i + s // 4 (the module docstring)
+    # nibble s of word w of row n is k = 128 b + 32 t + 8 i + 2 (s % 4) + s // 4 (the module docstring)
     from halfbyte.quant.packing import unpack
 
     orig = unpack(qweight.cpu(), 4, 384)  # [N, K]
     n, b, t, i, s = 7, 2, 3, 1, 6
     w = int(packed[n, 16 * b + 4 * t + i]) & 0xFFFFFFFF
-    assert (w >> (4 * s)) & 15 == int(orig[n, 128 * b + 32 * t + 8 * (s % 4) + 2 * i + s // 4])
+    assert (w >> (4 * s)) & 15 == int(orig[n, 128 * b + 32 * t + 8 * i + 2 * (s % 4) + s // 4])
 
 
 def test_repack_rejects_partial_blocks() -> None:

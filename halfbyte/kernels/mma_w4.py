@@ -10,10 +10,9 @@ two, so 16 rows cost little more than one.
 
 The layout (`repack`, done once at load on CUDA): qweight int32 [N, K/8], row n's words in
 blocks of 16 per 128 k. Word w = 16 b + 4 t + i of row n holds, in nibble s = j + 4 h (bits
-4s..4s+3), the value of k = 128 b + 32 t + 8 j + 2 i + h. So the four words of lane-chunk t are
+4s..4s+3), the value of k = 128 b + 32 t + 8 i + 2 j + h. So the four words of lane-chunk t are
 one 16-byte load, one lop3 turns nibbles (j, j + 4) into the half2 (k, k + 1) of x's pair
-k = 128 b + 32 t + 8 j + 2 i, and those x pairs, for j fixed and i = 0..3, are 16 contiguous
-bytes of x. In the mma, lane 4 g + t holds rows n_a = n0 + p and n_b = n_a + P (p with
+k = 128 b + 32 t + 8 i + 2 j, and a word's four x pairs (j = 0..3) are 16 contiguous bytes of x. In the mma, lane 4 g + t holds rows n_a = n0 + p and n_b = n_a + P (p with
 p % 8 = g) as the fragment's rows g and g + 8, and its k pairs as the fragment's columns
 (2t, 2t+1) and (2t+8, 2t+9): any assignment of k to mma columns works as long as A and B agree.
 
@@ -39,7 +38,7 @@ def _k_order(k: int, device: torch.device) -> torch.Tensor:
     w = torch.arange(k // 8, device=device)[:, None]
     s = torch.arange(8, device=device)[None, :]
     b, t, i = w // 16, (w // 4) % 4, w % 4
-    return (128 * b + 32 * t + 8 * (s % 4) + 2 * i + s // 4).reshape(-1)
+    return (128 * b + 32 * t + 8 * i + 2 * (s % 4) + s // 4).reshape(-1)
 
 
 def repack(qweight: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
@@ -145,8 +144,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _x_tile(xw_ptr, mt: tl.constexpr, p, c, k0, M, K):
-        """x row mt * 8 + p % 8 as the four half2 pairs (j = 0..3) of each word position c = 4 t + i,
-        [P, 16] each: pair j of c is x[k0 + 32 t + 8 j + 2 i + (0, 1)]."""
+        """x row mt * 8 + p % 8 for word positions i = 0..3: [P, 16] each, element 4 t + j the half2
+        x[k0 + 32 t + 8 i + 2 j + (0, 1)]; a thread's four pairs of a word are one 16-byte load and
+        land in the aligned register pairs the mma's B operand wants."""
         # rows past M read row M - 1 (no masks: masked loads cost zeroing instructions); their
         # products land in C columns that are never stored
         row = tl.minimum(mt * 8 + p % 8, M - 1)
@@ -200,7 +200,7 @@ if HAS_TRITON:
         m8a = (ma.to(tl.float32) + 8.0 * sa.to(tl.float32)).to(tl.float16).to(tl.float32)
         m8b = (mb.to(tl.float32) + 8.0 * sb.to(tl.float32)).to(tl.float16).to(tl.float32)
         for s in tl.static_range(8):
-            k = k0 + 32 * (c // 4) + 8 * (s % 4) + 2 * (c % 4) + s // 4  # [16]
+            k = k0 + 32 * (c // 4) + 8 * (c % 4) + 2 * (s % 4) + s // 4  # [16]
             xs = tl.load(x_ptr + rm[:, None] * K + k[None, :], mask=(rm < M)[:, None], other=0.0).to(tl.float32)
             qa = (((ua >> (4 * s)) & 15).to(tl.float32) - 8.0)
             qb = (((ub >> (4 * s)) & 15).to(tl.float32) - 8.0)
@@ -219,7 +219,7 @@ if HAS_TRITON:
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        KW = K // 8
+        KW = tl.multiple_of(K // 8, 16)  # K is whole 128-k blocks
         p = tl.arange(0, P)
         c = tl.arange(0, 16)  # word position 4 t + i in a 128-k block
         t = tl.arange(0, 4)
@@ -279,14 +279,15 @@ if HAS_TRITON:
                 g0, g1, g2, g3 = _split4(xt1[1])
                 h0, h1, h2, h3 = _split4(xt1[2])
                 j0, j1, j2, j3 = _split4(xt1[3])
+                # word position i: x pairs a (tile 0) and f (tile 1, MT == 2) of word 0, b / g of word 1, ...
                 c0, c1, c2, c3, c4, c5, c6, c7 = _mma_step(c0, c1, c2, c3, c4, c5, c6, c7, wa0, wb0, sa, ma, sb, mb,
-                                                           a0, b0, d0, e0, f0, g0, h0, j0, MT)
+                                                           a0, a1, a2, a3, f0, f1, f2, f3, MT)
                 c0, c1, c2, c3, c4, c5, c6, c7 = _mma_step(c0, c1, c2, c3, c4, c5, c6, c7, wa1, wb1, sa, ma, sb, mb,
-                                                           a1, b1, d1, e1, f1, g1, h1, j1, MT)
+                                                           b0, b1, b2, b3, g0, g1, g2, g3, MT)
                 c0, c1, c2, c3, c4, c5, c6, c7 = _mma_step(c0, c1, c2, c3, c4, c5, c6, c7, wa2, wb2, sa, ma, sb, mb,
-                                                           a2, b2, d2, e2, f2, g2, h2, j2, MT)
+                                                           d0, d1, d2, d3, h0, h1, h2, h3, MT)
                 c0, c1, c2, c3, c4, c5, c6, c7 = _mma_step(c0, c1, c2, c3, c4, c5, c6, c7, wa3, wb3, sa, ma, sb, mb,
-                                                           a3, b3, d3, e3, f3, g3, h3, j3, MT)
+                                                           e0, e1, e2, e3, j0, j1, j2, j3, MT)
             else:
                 g_off = g_row + ((32 * (c // 4)) // GROUP * N)[None, :]  # [1, 16]: each word's group
                 sa3 = tl.load(scales_ptr + g_off + la[:, None])
@@ -295,7 +296,7 @@ if HAS_TRITON:
                 mb3 = tl.load(mins_ptr + g_off + lb[:, None])
                 ya, yb = _plain_block(ya, yb, wa, wb, sa3, ma3, sb3, mb3, x_ptr, k0, M, K, c, MP)
             # the next block (the last one again at the end: an unmasked load, L2-hot, unused)
-            k_next = tl.minimum(k0 + 128, k_end - 128) // 8
+            k_next = tl.multiple_of(tl.minimum(k0 + 128, k_end - 128) // 8, 16)
             wa = tl.load(qw_ptr + row_a + k_next)
             wb = tl.load(qw_ptr + row_b + k_next)
         if USE_ASM:
