@@ -62,12 +62,17 @@ def unrepack(packed: torch.Tensor, k: int) -> torch.Tensor:
     return pack(q[:, inv], 4)
 
 
+def group_ok(group_size: int) -> bool:
+    """Groups of 32 or 64, or whole 128-k blocks: a lane-chunk's four words share one scale."""
+    return group_size in (32, 64) or group_size % BLOCK_K == 0
+
+
 def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
     """1-16 fp16 rows, 4 bits, K in whole 128-k blocks, groups of 32 or 64 or whole 128-k blocks
     (a lane-chunk's four words share one scale)."""
     m, k = x.shape
     return (bits == 4 and x.dtype == torch.float16 and 1 <= m <= MAX_ROWS and k % BLOCK_K == 0
-            and (group_size in (32, 64) or group_size % BLOCK_K == 0) and x.data_ptr() % 16 == 0)
+            and group_ok(group_size) and x.data_ptr() % 16 == 0)
 
 
 def _dequant_mma_asm(mt: int) -> str:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
-from halfbyte.kernels import cpu_int4
+from halfbyte.kernels import cpu_int4, mma_w4
 from halfbyte.kernels.quant_matmul import quant_matmul
 from halfbyte.quant.qtensor import QuantWeight
 
@@ -28,6 +30,8 @@ class QuantLinear(nn.Module):
         self.dtype = dtype
         self.dense_t: torch.Tensor | None = None
         self.cpu_int4: list[tuple[int, int, cpu_int4.CpuInt4Weight]] = []
+        # per slice: its 4-bit words repacked for mma_w4 (CUDA, HALFBYTE_W4_KERNEL=mma), or None
+        self.mma_packed: list[torch.Tensor | None] = []
         self._register_tensors()
 
     def _register_tensors(self) -> None:
@@ -38,6 +42,14 @@ class QuantLinear(nn.Module):
             self.register_buffer(f"mins_{i}", s.mins, persistent=False)
 
     def prepare_for_inference(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            if os.environ.get("HALFBYTE_W4_KERNEL") == "mma":  # opt-in while it is measured (BENCHMARKS.md)
+                self.mma_packed = [
+                    mma_w4.repack(s.qweight, s.width)
+                    if s.bits == 4 and s.width % mma_w4.BLOCK_K == 0 and mma_w4.group_ok(s.group_size) else None
+                    for s in self.qweight.slices
+                ]
+            return
         if device.type != "cpu":
             return
         w = self.qweight
@@ -64,8 +76,13 @@ class QuantLinear(nn.Module):
         else:
             w = self.qweight
             xs = x[:, w.perm.long()] if w.perm is not None else x
-            for s in w.slices:
-                part = quant_matmul(xs[:, s.k_start : s.k_end], s.qweight, s.scales, s.mins, s.bits, s.group_size)
+            for i, s in enumerate(w.slices):
+                xk = xs[:, s.k_start : s.k_end]
+                packed = self.mma_packed[i] if self.mma_packed else None
+                if packed is not None and xk.shape[0] <= mma_w4.MAX_ROWS and xk.dtype == torch.float16:
+                    part = mma_w4.mma_w4(xk.contiguous(), packed, s.scales, s.mins, s.group_size)
+                else:
+                    part = quant_matmul(xk, s.qweight, s.scales, s.mins, s.bits, s.group_size)
                 y = part if y is None else y + part
         assert y is not None
         return y + self.bias if self.bias is not None else y
