@@ -62,3 +62,24 @@ def test_mma_w4_declines_what_it_cannot_do() -> None:
     assert not mma_w4.supports(torch.zeros(17, 256, dtype=torch.float16), 4, 128)
     assert not mma_w4.supports(torch.zeros(1, 192, dtype=torch.float16), 4, 64)
     assert not mma_w4.supports(x.float(), 4, 128)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="QuantLinear repacks for mma_w4 only on CUDA")
+@pytest.mark.parametrize("m", [1, 5, 16, 17])
+def test_quant_linear_through_mma_w4(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HALFBYTE_W4_KERNEL=mma: a two-slice 4-bit layer (one slice mma_w4 cannot take) equals the
+    reference at 1-16 rows and falls back past them."""
+    from halfbyte.model.quant_linear import QuantLinear
+    from halfbyte.quant.qtensor import QuantSlice, QuantWeight
+
+    n = 72
+    q1, s1, m1 = random_packed(n, 256, 4, 64, seed=1)
+    q2, s2, m2 = random_packed(n, 96, 4, 32, seed=2)  # 96: not whole 128-k blocks
+    w = QuantWeight(n, 352, [QuantSlice(0, 256, 4, 64, q1, s1, m1), QuantSlice(256, 352, 4, 32, q2, s2, m2)])
+    monkeypatch.setenv("HALFBYTE_W4_KERNEL", "mma")
+    layer = QuantLinear(w, None, torch.float16)
+    layer.prepare_for_inference(DEVICE)
+    assert layer.mma_packed[0] is not None and layer.mma_packed[1] is None
+    x = torch.randn(m, 352, device=DEVICE).half()
+    ref = quant_matmul_ref(x[:, :256], q1, s1, m1, 4, 64) + quant_matmul_ref(x[:, 256:], q2, s2, m2, 4, 32)
+    assert rel_err(layer(x), ref) <= 1e-3

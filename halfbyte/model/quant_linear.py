@@ -78,9 +78,9 @@ class QuantLinear(nn.Module):
             xs = x[:, w.perm.long()] if w.perm is not None else x
             for i, s in enumerate(w.slices):
                 xk = xs[:, s.k_start : s.k_end]
-                packed = self.mma_packed[i] if self.mma_packed else None
-                if packed is not None and xk.shape[0] <= mma_w4.MAX_ROWS and xk.dtype == torch.float16:
-                    part = mma_w4.mma_w4(xk.contiguous(), packed, s.scales, s.mins, s.group_size)
+                repacked = self.mma_packed[i] if self.mma_packed else None
+                if repacked is not None and xk.shape[0] <= mma_w4.MAX_ROWS and xk.dtype == torch.float16:
+                    part = mma_w4.mma_w4(xk.contiguous(), repacked, s.scales, s.mins, s.group_size)
                 else:
                     part = quant_matmul(xk, s.qweight, s.scales, s.mins, s.bits, s.group_size)
                 y = part if y is None else y + part
