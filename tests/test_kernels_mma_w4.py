@@ -64,11 +64,11 @@ def test_mma_w4_declines_what_it_cannot_do() -> None:
     assert not mma_w4.supports(x.float(), 4, 128)
 
 
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="QuantLinear repacks for mma_w4 only on CUDA")
-@pytest.mark.parametrize("m", [1, 5, 16, 17])
-def test_quant_linear_through_mma_w4(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """HALFBYTE_W4_KERNEL=mma: a two-slice 4-bit layer (one slice mma_w4 cannot take) equals the
-    reference at 1-16 rows and falls back past them."""
+@pytest.mark.parametrize("m", [1, 5, 17, 70])
+def test_quant_linear_through_mma_w4(m: int) -> None:
+    """A two-slice 4-bit layer held in the mma layout where it can be (one slice cannot) equals
+    the reference at every row count. (On CUDA prepare_for_inference does this with
+    HALFBYTE_W4_KERNEL=mma; here the repack is called directly so CI runs it too.)"""
     from halfbyte.model.quant_linear import QuantLinear
     from halfbyte.quant.qtensor import QuantSlice, QuantWeight
 
@@ -76,10 +76,27 @@ def test_quant_linear_through_mma_w4(m: int, monkeypatch: pytest.MonkeyPatch) ->
     q1, s1, m1 = random_packed(n, 256, 4, 64, seed=1)
     q2, s2, m2 = random_packed(n, 96, 4, 32, seed=2)  # 96: not whole 128-k blocks
     w = QuantWeight(n, 352, [QuantSlice(0, 256, 4, 64, q1, s1, m1), QuantSlice(256, 352, 4, 32, q2, s2, m2)])
-    monkeypatch.setenv("HALFBYTE_W4_KERNEL", "mma")
     layer = QuantLinear(w, None, torch.float16)
-    layer.prepare_for_inference(DEVICE)
+    layer._repack_for_mma()
     assert layer.mma_packed[0] is not None and layer.mma_packed[1] is None
+    assert w.slices[0].qweight.numel() == 0 and layer.qweight_0 is layer.mma_packed[0]
     x = torch.randn(m, 352, device=DEVICE).half()
     ref = quant_matmul_ref(x[:, :256], q1, s1, m1, 4, 64) + quant_matmul_ref(x[:, 256:], q2, s2, m2, 4, 32)
     assert rel_err(layer(x), ref) <= 1e-3
+
+
+@pytest.mark.parametrize("m", [1, 20, 70])
+def test_matmul_any_rows_and_dequantize(m: int) -> None:
+    """Every row count through the mma layout alone: chunks of 16 up to 64 rows, then the
+    dequantized W^T and a dense matmul; the dequantization equals the format's."""
+    from halfbyte.kernels.quant_matmul import dequantize_ref
+
+    n, k, group = 40, 256, 32
+    qweight, scales, mins = random_packed(n, k, 4, group, seed=m)
+    packed = mma_w4.repack(qweight, k)
+    w_t = mma_w4.dequantize_t(packed, scales, mins, group, torch.float32)
+    assert torch.allclose(w_t.t(), dequantize_ref(qweight, scales, mins, 4, group, k), rtol=1e-6, atol=1e-6)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().to(DEVICE)
+    out = mma_w4.matmul(x, packed, scales, mins, group)
+    assert out.shape == (m, n) and out.dtype == torch.float16
+    assert rel_err(out, quant_matmul_ref(x, qweight, scales, mins, 4, group)) <= 1e-3

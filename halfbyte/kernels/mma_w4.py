@@ -376,3 +376,51 @@ def mma_w4(
         num_warps=warps, **pdl_args(x.device),
     )
     return out
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _dequant_t_kernel(qw_ptr, scales_ptr, mins_ptr, out_ptr, N, K, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+        """W^T [K, N] in out's dtype from the mma layout, one 128-k block x BLOCK_N rows a program."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(1) * 128
+        c = tl.arange(0, 16)
+        ok = (rn < N)[:, None] & (c >= 0)[None, :]
+        words = tl.load(qw_ptr + (rn * (K // 8))[:, None] + k0 // 8 + c[None, :], mask=ok, other=0).to(tl.uint32, bitcast=True)
+        for s in tl.static_range(8):
+            k = k0 + 32 * (c // 4) + 8 * (c % 4) + 2 * (s % 4) + s // 4  # [16]
+            g = (k // GROUP * N)[None, :] + rn[:, None]
+            sc = tl.load(scales_ptr + g, mask=ok, other=0.0).to(tl.float32)
+            mn = tl.load(mins_ptr + g, mask=ok, other=0.0).to(tl.float32)
+            w = ((words >> (4 * s)) & 15).to(tl.float32) * sc + mn
+            tl.store(out_ptr + (k * N)[None, :] + rn[:, None], w.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize_t(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """W^T [K, N] in dtype from the mma layout (prefill: one dequantization, then a dense matmul)."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    out = torch.empty(k, n, dtype=dtype, device=packed.device)
+    block_n = 64
+    _dequant_t_kernel[(triton.cdiv(n, block_n), k // BLOCK_K)](packed, scales, mins, out, n, k, GROUP=group_size,
+                                                               BLOCK_N=block_n)
+    return out
+
+
+DENSE_ROWS = 64  # more rows: dequantize once + cuBLAS (as quant_matmul does for the original layout)
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+           group_size: int) -> torch.Tensor:
+    """x [M, K] @ W^T for a weight held only in the mma layout, any M: 16-row chunks through
+    mma_w4 up to DENSE_ROWS rows (the weight re-read per chunk, partly from L2), dequantize +
+    torch.mm past that or for dtypes other than fp16."""
+    m = x.shape[0]
+    x = x.contiguous()
+    if x.dtype == torch.float16 and m <= DENSE_ROWS:
+        if m <= MAX_ROWS:
+            return mma_w4(x, packed, scales, mins, group_size)
+        return torch.cat([mma_w4(x[i : i + MAX_ROWS], packed, scales, mins, group_size)
+                          for i in range(0, m, MAX_ROWS)])
+    return torch.mm(x, dequantize_t(packed, scales, mins, group_size, x.dtype))

@@ -30,7 +30,8 @@ class QuantLinear(nn.Module):
         self.dtype = dtype
         self.dense_t: torch.Tensor | None = None
         self.cpu_int4: list[tuple[int, int, cpu_int4.CpuInt4Weight]] = []
-        # per slice: its 4-bit words repacked for mma_w4 (CUDA, HALFBYTE_W4_KERNEL=mma), or None
+        # per slice: its 4-bit words in mma_w4's layout instead of the format's (CUDA,
+        # HALFBYTE_W4_KERNEL=mma), or None
         self.mma_packed: list[torch.Tensor | None] = []
         self._register_tensors()
 
@@ -44,11 +45,7 @@ class QuantLinear(nn.Module):
     def prepare_for_inference(self, device: torch.device) -> None:
         if device.type == "cuda":
             if os.environ.get("HALFBYTE_W4_KERNEL") == "mma":  # opt-in while it is measured (BENCHMARKS.md)
-                self.mma_packed = [
-                    mma_w4.repack(s.qweight, s.width)
-                    if s.bits == 4 and s.width % mma_w4.BLOCK_K == 0 and mma_w4.group_ok(s.group_size) else None
-                    for s in self.qweight.slices
-                ]
+                self._repack_for_mma()
             return
         if device.type != "cpu":
             return
@@ -62,6 +59,19 @@ class QuantLinear(nn.Module):
             ]
         else:
             self.dense_t = w.dequantize(self.dtype).t().contiguous()
+
+    def _repack_for_mma(self) -> None:
+        """Hold every 4-bit slice that mma_w4 can take only in its layout: the original words are
+        dropped (the slice keeps an empty tensor, so any later use of them fails loudly)."""
+        self.mma_packed = []
+        for i, s in enumerate(self.qweight.slices):
+            if s.bits == 4 and s.width % mma_w4.BLOCK_K == 0 and mma_w4.group_ok(s.group_size):
+                packed = mma_w4.repack(s.qweight, s.width)
+                s.qweight = packed.new_empty(0)
+                self.register_buffer(f"qweight_{i}", packed, persistent=False)
+                self.mma_packed.append(packed)
+            else:
+                self.mma_packed.append(None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor | None = None
@@ -79,8 +89,8 @@ class QuantLinear(nn.Module):
             for i, s in enumerate(w.slices):
                 xk = xs[:, s.k_start : s.k_end]
                 repacked = self.mma_packed[i] if self.mma_packed else None
-                if repacked is not None and xk.shape[0] <= mma_w4.MAX_ROWS and xk.dtype == torch.float16:
-                    part = mma_w4.mma_w4(xk.contiguous(), repacked, s.scales, s.mins, s.group_size)
+                if repacked is not None:
+                    part = mma_w4.matmul(xk, repacked, s.scales, s.mins, s.group_size)
                 else:
                     part = quant_matmul(xk, s.qweight, s.scales, s.mins, s.bits, s.group_size)
                 y = part if y is None else y + part
