@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from halfbyte.kernels import cpu_int4, mma_w4
+from halfbyte.kernels import cpu_int4
 from halfbyte.kernels.quant_matmul import quant_matmul
 from halfbyte.quant.qtensor import QuantWeight
 
@@ -30,9 +28,6 @@ class QuantLinear(nn.Module):
         self.dtype = dtype
         self.dense_t: torch.Tensor | None = None
         self.cpu_int4: list[tuple[int, int, cpu_int4.CpuInt4Weight]] = []
-        # per slice: its 4-bit words in mma_w4's layout instead of the format's (CUDA,
-        # HALFBYTE_W4_KERNEL=mma), or None
-        self.mma_packed: list[torch.Tensor | None] = []
         self._register_tensors()
 
     def _register_tensors(self) -> None:
@@ -43,10 +38,6 @@ class QuantLinear(nn.Module):
             self.register_buffer(f"mins_{i}", s.mins, persistent=False)
 
     def prepare_for_inference(self, device: torch.device) -> None:
-        if device.type == "cuda":
-            if os.environ.get("HALFBYTE_W4_KERNEL") == "mma":  # opt-in while it is measured (BENCHMARKS.md)
-                self._repack_for_mma()
-            return
         if device.type != "cpu":
             return
         w = self.qweight
@@ -59,19 +50,6 @@ class QuantLinear(nn.Module):
             ]
         else:
             self.dense_t = w.dequantize(self.dtype).t().contiguous()
-
-    def _repack_for_mma(self) -> None:
-        """Hold every 4-bit slice that mma_w4 can take only in its layout: the original words are
-        dropped (the slice keeps an empty tensor, so any later use of them fails loudly)."""
-        self.mma_packed = []
-        for i, s in enumerate(self.qweight.slices):
-            if s.bits == 4 and s.width % mma_w4.BLOCK_K == 0 and mma_w4.group_ok(s.group_size):
-                packed = mma_w4.repack(s.qweight, s.width)
-                s.qweight = packed.new_empty(0)
-                self.register_buffer(f"qweight_{i}", packed, persistent=False)
-                self.mma_packed.append(packed)
-            else:
-                self.mma_packed.append(None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor | None = None
@@ -86,13 +64,8 @@ class QuantLinear(nn.Module):
         else:
             w = self.qweight
             xs = x[:, w.perm.long()] if w.perm is not None else x
-            for i, s in enumerate(w.slices):
-                xk = xs[:, s.k_start : s.k_end]
-                repacked = self.mma_packed[i] if self.mma_packed else None
-                if repacked is not None:
-                    part = mma_w4.matmul(xk, repacked, s.scales, s.mins, s.group_size)
-                else:
-                    part = quant_matmul(xk, s.qweight, s.scales, s.mins, s.bits, s.group_size)
+            for s in w.slices:
+                part = quant_matmul(xs[:, s.k_start : s.k_end], s.qweight, s.scales, s.mins, s.bits, s.group_size)
                 y = part if y is None else y + part
         assert y is not None
         return y + self.bias if self.bias is not None else y
