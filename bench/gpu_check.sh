@@ -2,7 +2,7 @@
 # One call on the GPU machine: GPU tests, then benchmarks; JSON under $OUT, a short table last.
 # Usage (device tool): [STEPS="tests parity decode ..."] bash bench/gpu_check.sh
 #   steps: tests (kernels vs references), parity (GPU vs CPU engine on SmolLM2, batched vs alone),
-#   decode (8B batch-1 decode + prefill), gemv (per-shape GB/s), sampling, tp (tensor-parallel 1
+#   decode (8B batch-1 decode + prefill), gemv (per-shape GB/s), gemv_i8 (the int8-x GEMV beside gemv_w4), sampling, tp (tensor-parallel 1
 #   vs plain), serving (issue 5's GPU cases), triton_prefill (the opt-in prefill attention kernel),
 #   decode_nopdl / profile64_nopdl / gemv_nopdl (the same with HALFBYTE_PDL=0), exl2 (exllamav2 0.3.2 on a GPTQ checkpoint of the same shape, after decode: ratios),
 #   tp9 (issue 9, >= 2 GPUs: tensor-parallel parity and decode scaling per all-reduce, .evaltext/tokenizer
@@ -74,6 +74,9 @@ step_attention() {
 }
 step_gemv() {
   timeout "${GEMV_TIMEOUT:-300}" python3 bench/gemv.py --json "$OUT/gemv.json" ${GEMV_ARGS:-} 2>"$OUT/gemv.err" | tail -${GEMV_TAIL:-11}
+}
+step_gemv_i8() {  # gemv_w4_i8 (x as int8 planes, dp4a) beside gemv_w4, one row
+  timeout "${GEMV_TIMEOUT:-300}" python3 bench/gemv_i8.py --json "$OUT/gemv_i8.json" ${GEMV_I8_ARGS:-} 2>"$OUT/gemv_i8.err" | tail -10
 }
 step_gemv_nopdl() {
   HALFBYTE_PDL=0 timeout 300 python3 bench/gemv.py --json "$OUT/gemv_nopdl.json" ${GEMV_ARGS:-} 2>"$OUT/gemv_nopdl.err" | tail -11

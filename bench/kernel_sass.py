@@ -29,7 +29,7 @@ import triton.backends.nvidia as nvidia_backend  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from halfbyte.kernels import gemv_w4  # noqa: E402
+from halfbyte.kernels import gemv_w4, gemv_w4_i8  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 REGS_PER_SM, THREADS_PER_SM, BLOCKS_PER_SM = 65536, 2048, 32
@@ -44,6 +44,18 @@ def compile_gemv_w4(block_n: int, block_kw: int, warps: int, group: int = 128,
     consts = dict(GROUP=group, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=2, PAIR_ROWS=pair_rows, USE_ASM=True, PDL=True)
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
     src = ASTSource(fn=gemv_w4._gemv_w4_m1_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
+                    constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=H200, options=dict(num_warps=warps, num_stages=2, launch_pdl=True))
+
+
+def compile_gemv_w4_i8(block_n: int, block_kw: int, warps: int, group: int = 128) -> triton.compiler.CompiledKernel:
+    """gemv_w4_i8's GEMV (x as int8 planes, dp4a), specialised as gemv_w4 above."""
+    sig = {"planes_ptr": "*i32", "xs_ptr": "*fp32", "xrow_ptr": "*fp32", "qw_ptr": "*i32", "scales_ptr": "*fp16",
+           "mins_ptr": "*fp16", "out_ptr": "*fp16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "N": "i32",
+           "K": "i32", "k_per_split": "i32"}
+    consts = dict(GROUP=group, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=2, USE_ASM=True, PDL=True)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
+    src = ASTSource(fn=gemv_w4_i8._gemv_w4_i8_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                     constexprs=consts, attrs=attrs)
     return triton.compile(src, target=H200, options=dict(num_warps=warps, num_stages=2, launch_pdl=True))
 
@@ -74,7 +86,7 @@ def loop_body(sass: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("configs", nargs="+", help="block_n,block_kw,warps[,p] (p: pair_rows)")
+    ap.add_argument("configs", nargs="+", help="block_n,block_kw,warps[,p] (p: pair_rows; i: gemv_w4_i8)")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--dump", action="store_true", help="print the loop's SASS")
     args = ap.parse_args()
@@ -83,7 +95,9 @@ def main() -> None:
         fields = spec.split(",")
         block_n, block_kw, warps = (int(v) for v in fields[:3])
         pairs = fields[3:] == ["p"]
-        kernel = compile_gemv_w4(block_n, block_kw, warps, args.group, pairs)
+        i8 = fields[3:] == ["i"]
+        kernel = (compile_gemv_w4_i8(block_n, block_kw, warps, args.group) if i8
+                  else compile_gemv_w4(block_n, block_kw, warps, args.group, pairs))
         regs = int(re.search(r"REG:(\d+)", _cuobjdump(kernel.asm["cubin"], "-res-usage")).group(1))  # type: ignore[union-attr]
         body = loop_body(_cuobjdump(kernel.asm["cubin"], "-sass"))
         ops: dict[str, int] = {}
@@ -94,7 +108,7 @@ def main() -> None:
         words = block_n * block_kw / (32 * warps)  # per thread per iteration
         blocks = min(REGS_PER_SM // (regs * 32 * warps), THREADS_PER_SM // (32 * warps), BLOCKS_PER_SM)
         top = ", ".join(f"{k} {v / words:.1f}" for k, v in sorted(ops.items(), key=lambda t: -t[1])[:8])
-        print(f"{block_n:>4} x {block_kw:<3} {warps} warps{' pairs' if pairs else '      '}: {regs:>3} registers, {blocks:>2} programs/SM, "
+        print(f"{block_n:>4} x {block_kw:<3} {warps} warps{' pairs' if pairs else '    i8' if i8 else '      '}: {regs:>3} registers, {blocks:>2} programs/SM, "
               f"{len(body) / words:5.1f} instructions/word ({top})")
         if args.dump:
             print("\n".join(body))
