@@ -25,12 +25,12 @@ x's quantization (~1e-5 relative)."""
 
 from __future__ import annotations
 
-import os
 import struct
 from typing import NamedTuple
 
 import torch
 
+from halfbyte.kernels.gemv_w4 import _load_rows, _use_asm
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
 from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
@@ -176,11 +176,6 @@ if HAS_TRITON:
         return (ia * BS + ib).to(tl.float32)
 
     @triton.jit
-    def _load_rows(qw_ptr, w_row, k_end, N, rn, n_mask):
-        mask = (w_row * 8 < k_end)[:, None] & n_mask[None, :]
-        return tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=mask, other=0)
-
-    @triton.jit
     def _pair_tile(acc, we, wo, planes_ptr, xs_ptr, xrow_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
                    GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
         """acc [KW/2, N] += one tile: even word rows in we, odd in wo."""
@@ -252,10 +247,6 @@ if HAS_TRITON:
             wo = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even + 1, k_end, N, rn, n_mask)
         total = tl.sum(acc, axis=0)[None, :]
         _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K)
-
-
-def _use_asm() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
