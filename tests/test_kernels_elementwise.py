@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from halfbyte.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from halfbyte.kernels.rms_norm import add_rms_norm_ref, rms_norm_ref, rms_norm_triton
+from halfbyte.kernels import gemv_w4_i8
+from halfbyte.kernels.rms_norm import add_rms_norm_ref, rms_norm_planes, rms_norm_ref, rms_norm_triton
 from tests.kernel_testing import DEVICE, DTYPES, rel_err
 
 
@@ -17,9 +18,10 @@ def test_rms_norm(dtype: torch.dtype, rows: int, hidden: int) -> None:
     g = torch.Generator().manual_seed(rows * hidden)
     x = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
     w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(DEVICE, dtype)
-    out, none = rms_norm_triton(x, w, 1e-5)
-    assert none is None
-    assert rel_err(out, rms_norm_ref(x, w, 1e-5)) <= 1e-3
+    for chunk in (None, 64, 4096):  # columns per program: the default, several chunks, the whole row
+        out, none, no_planes = rms_norm_triton(x, w, 1e-5, chunk=chunk)
+        assert none is None and no_planes is None
+        assert rel_err(out, rms_norm_ref(x, w, 1e-5)) <= 1e-3, chunk
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -27,11 +29,30 @@ def test_add_rms_norm(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(11)
     x, r = (torch.randn(5, 576, generator=g).to(DEVICE, dtype) for _ in range(2))
     w = (1 + 0.1 * torch.randn(576, generator=g)).to(DEVICE, dtype)
-    out, summed = rms_norm_triton(x, w, 1e-6, residual=r)
+    out, summed, _ = rms_norm_triton(x, w, 1e-6, residual=r)
     ref_out, ref_sum = add_rms_norm_ref(x, r, w, 1e-6)
     assert summed is not None
     assert rel_err(out, ref_out) <= 1e-3
     assert torch.equal(summed, ref_sum)
+
+
+@pytest.mark.parametrize("hidden,group,with_residual", [(576, 64, True), (4096, 128, True), (1536, 32, False)])
+def test_rms_norm_planes(hidden: int, group: int, with_residual: bool) -> None:
+    """The norm's output and, from the same launch, its int8 planes for gemv_w4_i8: bit for bit
+    what quantize_x_ref makes of that output (row sums to fp32 rounding), on poisoned buffers."""
+    g = torch.Generator().manual_seed(hidden + group)
+    x, r = (torch.randn(1, hidden, generator=g).half().to(DEVICE) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).half().to(DEVICE)
+    for t in (torch.empty(hidden // 8, 4, dtype=torch.int32, device=DEVICE), torch.empty(hidden // 8, device=DEVICE)):
+        t.fill_(-1)  # poison the allocator's next blocks
+    out, summed, planes = rms_norm_planes(x, r if with_residual else None, w, 1e-5, group)
+    ref_out, ref_sum = add_rms_norm_ref(x, r, w, 1e-5) if with_residual else (rms_norm_ref(x, w, 1e-5), x)
+    assert torch.equal(summed, ref_sum)
+    assert rel_err(out, ref_out) <= 1e-3
+    ref = gemv_w4_i8.quantize_x_ref(out, group)
+    assert torch.equal(planes.planes, ref.planes) and torch.equal(planes.scales, ref.scales)
+    assert torch.allclose(planes.row_sums, ref.row_sums, rtol=1e-5, atol=1e-5)
+    assert planes.group_size == group
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

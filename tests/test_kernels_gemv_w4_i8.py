@@ -60,3 +60,25 @@ def test_gemv_w4_i8_declines_what_it_cannot_do() -> None:
     assert not gemv_w4_i8.supports(x, 4, 24)  # groups not whole word pairs
     assert not gemv_w4_i8.supports(torch.randn(2, 512).half(), 4, 128)
     assert not gemv_w4_i8.supports(torch.randn(1, 512).half(), 8, 128)
+
+
+def test_quant_linear_takes_planes_from_the_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's seam: a 4-bit QuantLinear asks for x's planes only for one fp16 row on the GPU,
+    and its output from the planes the RMSNorm wrote matches its output from x."""
+    from halfbyte.kernels.rms_norm import rms_norm_planes
+    from halfbyte.model.quant_linear import QuantLinear
+    from halfbyte.quant.qtensor import QuantSlice, QuantWeight
+
+    monkeypatch.setattr(gemv_w4_i8, "_ENV", "all")  # every supported shape, not only the tuned ones
+    n, k, group = 96, 576, 64
+    qweight, scales, mins = random_packed(n, k, 4, group, seed=17)
+    bias = torch.randn(n).half().to(DEVICE)
+    layer = QuantLinear(QuantWeight(n, k, [QuantSlice(0, k, 4, group, qweight, scales, mins)]), bias, torch.float16)
+    x, w = (torch.randn(1, k, generator=torch.Generator().manual_seed(s)).half().to(DEVICE) for s in (1, 2))
+    h, _, planes = rms_norm_planes(x, None, w, 1e-5, group)
+    assert layer.x_planes_group(h) == (group if DEVICE.type == "cuda" else None)
+    assert layer.x_planes_group(torch.cat([h, h])) is None  # two rows: gemm_w4's job
+    ref = quant_matmul_ref(h, qweight, scales, mins, 4, group) + bias.float()
+    assert rel_err(layer(h, planes), ref) <= 1e-3 and rel_err(layer(h), ref) <= 1e-3
+    monkeypatch.setattr(gemv_w4_i8, "_ENV", "0")
+    assert layer.x_planes_group(h) is None

@@ -25,8 +25,9 @@ x's quantization (~1e-5 relative)."""
 
 from __future__ import annotations
 
+import os
 import struct
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -130,30 +131,41 @@ if HAS_TRITON:
     INV_B = tl.constexpr(_INV_B)
 
     @triton.jit
+    def store_planes(x, first_group, n_groups, planes_ptr, scales_ptr, row_sums_ptr,
+                     NG: tl.constexpr, ROWS: tl.constexpr):
+        """x fp32 [NG, ROWS, 8] = groups first_group .. first_group + NG - 1 of x, quantized and stored
+        as quantize_x_ref does, bit for bit (groups from n_groups on are not stored). Shared by
+        quantize_x and the producers that write the planes beside their output (rms_norm)."""
+        t = tl.max(tl.max(tl.abs(x), axis=2), axis=1) * INV_A_MAX
+        sx_bits = (t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000  # round up to a power of two
+        sx = sx_bits.to(tl.float32, bitcast=True)
+        inv = (0x7F000000 - sx_bits).to(tl.float32, bitcast=True)
+        v = x * inv[:, None, None]
+        a = tl.floor(v + 0.5)
+        b = tl.floor((v - a) * BS + 0.5)
+        xd = (a * BS + b) * (sx * INV_B)[:, None, None]
+        groups = first_group + tl.arange(0, NG)
+        ok = groups < n_groups
+        rows = groups[:, None] * ROWS + tl.arange(0, ROWS)[None, :]
+        tl.store(row_sums_ptr + rows, tl.sum(xd, axis=2), mask=ok[:, None])
+        shifts = (tl.arange(0, 4) * 8)[None, None, :]
+        a_even, a_odd = tl.split(tl.reshape(a.to(tl.int32) & 255, [NG, ROWS, 4, 2]))
+        b_even, b_odd = tl.split(tl.reshape(b.to(tl.int32) & 255, [NG, ROWS, 4, 2]))
+        tl.store(planes_ptr + rows * 4, tl.sum(a_even << shifts, axis=2), mask=ok[:, None])
+        tl.store(planes_ptr + rows * 4 + 1, tl.sum(a_odd << shifts, axis=2), mask=ok[:, None])
+        tl.store(planes_ptr + rows * 4 + 2, tl.sum(b_even << shifts, axis=2), mask=ok[:, None])
+        tl.store(planes_ptr + rows * 4 + 3, tl.sum(b_odd << shifts, axis=2), mask=ok[:, None])
+        tl.store(scales_ptr + groups, sx, mask=ok)
+
+    @triton.jit
     def _quantize_x_kernel(x_ptr, planes_ptr, scales_ptr, row_sums_ptr, GROUP: tl.constexpr, PDL: tl.constexpr):
-        """One program per group of x: quantize_x_ref's steps, bit for bit."""
+        """One program per group of x."""
         pdl_sync(PDL)
         g = tl.program_id(0)
         ROWS: tl.constexpr = GROUP // 8
-        rows = g * ROWS + tl.arange(0, ROWS)
-        x = tl.load(x_ptr + rows[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.float32)
-        t = tl.max(tl.max(tl.abs(x), axis=1), axis=0) * INV_A_MAX
-        sx_bits = (t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
-        sx = sx_bits.to(tl.float32, bitcast=True)
-        inv = (0x7F000000 - sx_bits).to(tl.float32, bitcast=True)
-        v = x * inv
-        a = tl.floor(v + 0.5)
-        b = tl.floor((v - a) * BS + 0.5)
-        xd = (a * BS + b) * (sx * INV_B)
-        tl.store(row_sums_ptr + rows, tl.sum(xd, axis=1))
-        shifts = (tl.arange(0, 4) * 8)[None, :]
-        a_even, a_odd = tl.split(tl.reshape(a.to(tl.int32) & 255, [ROWS, 4, 2]))
-        b_even, b_odd = tl.split(tl.reshape(b.to(tl.int32) & 255, [ROWS, 4, 2]))
-        tl.store(planes_ptr + rows * 4, tl.sum(a_even << shifts, axis=1))
-        tl.store(planes_ptr + rows * 4 + 1, tl.sum(a_odd << shifts, axis=1))
-        tl.store(planes_ptr + rows * 4 + 2, tl.sum(b_even << shifts, axis=1))
-        tl.store(planes_ptr + rows * 4 + 3, tl.sum(b_odd << shifts, axis=1))
-        tl.store(scales_ptr + g, sx)
+        offs = g * GROUP + tl.arange(0, ROWS)[:, None] * 8 + tl.arange(0, 8)[None, :]
+        x = tl.load(x_ptr + offs[None, :, :]).to(tl.float32)
+        store_planes(x, g, g + 1, planes_ptr, scales_ptr, row_sums_ptr, 1, ROWS)
 
     @triton.jit
     def _signed_byte(p, i: tl.constexpr):
@@ -249,24 +261,54 @@ if HAS_TRITON:
         _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K)
 
 
+# (N, K) -> (block_n, block_kw, split_k or None for about two waves, warps): the shapes where
+# gemv_w4_i8 beat gemv_w4 in one call (bench/gemv_i8.py, H100, thirteenth session, BENCHMARKS.md)
+# and whose input a producer writes as planes (the RMSNorm before qkv and gate_up). 70B qkv lost
+# there (19.3 vs 18.5 us); o and down have no producer of planes yet.
+_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int]] = {
+    (6144, 4096): (256, 16, 16, 4),  # 8B qkv: 9.1 -> 8.4 us
+    (28672, 4096): (64, 64, None, 8),  # 8B gate_up: 28.8 -> 23.6 us
+    (57344, 8192): (64, 32, None, 4),  # 70B gate_up: 88.0 -> 86.2 us
+}
+# HALFBYTE_W4_I8=1 turns the model's use of this kernel on for the shapes above, =all for every
+# shape it supports (untuned ones take block 128 x 16, auto split, 4 warps). Off by default: in the
+# 8B decode step (H100, CUDA graph) the norm writing the planes cost more than the GEMVs gained
+# (328 vs 337 tokens/s, BENCHMARKS.md).
+_ENV = os.environ.get("HALFBYTE_W4_I8", "0")
+
+
+def config_for(n: int, k: int) -> dict[str, Any] | None:
+    """The launch config the model uses for an [N, K] weight, or None where gemv_w4 is preferred."""
+    tuned = _TUNED.get((n, k))
+    if _ENV == "0" or (tuned is None and _ENV != "all"):
+        return None
+    block_n, block_kw, split_k, warps = tuned or (128, 16, None, 4)
+    return dict(block_n=block_n, block_kw=block_kw, split_k=split_k, num_warps=warps)
+
+
 def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
-    """One fp16 row, 4 bits, K in whole groups, groups of whole word pairs."""
+    """One fp16 row, 4 bits, K in whole groups, groups of whole word pairs and a power of two (the
+    producers write whole groups per program)."""
     m, k = x.shape
-    return bits == 4 and x.dtype == torch.float16 and m == 1 and group_size % 16 == 0 and k % group_size == 0
+    return (bits == 4 and x.dtype == torch.float16 and m == 1 and group_size % 16 == 0 and k % group_size == 0
+            and group_size & (group_size - 1) == 0)
+
+
+def empty_planes(k: int, group_size: int, device: torch.device) -> XPlanes:
+    """Uninitialised planes for x [1, K], for a kernel to write."""
+    return XPlanes(torch.empty(k // 8, 4, dtype=torch.int32, device=device),
+                   torch.empty(k // group_size, dtype=torch.float32, device=device),
+                   torch.empty(k // 8, dtype=torch.float32, device=device), group_size)
 
 
 def quantize_x(x: torch.Tensor, group_size: int) -> XPlanes:
     """x [1, K] fp16 -> its int8 planes (one launch, one program per group)."""
     k = x.shape[1]
     assert supports(x, 4, group_size), (x.shape, x.dtype, group_size)
-    x = x.contiguous()
-    rows = k // 8
-    planes = torch.empty(rows, 4, dtype=torch.int32, device=x.device)
-    scales = torch.empty(k // group_size, dtype=torch.float32, device=x.device)
-    row_sums = torch.empty(rows, dtype=torch.float32, device=x.device)
-    _quantize_x_kernel[(k // group_size,)](x, planes, scales, row_sums, GROUP=group_size, num_warps=1,
-                                          **pdl_args(x.device))
-    return XPlanes(planes, scales, row_sums, group_size)
+    xp = empty_planes(k, group_size, x.device)
+    _quantize_x_kernel[(k // group_size,)](x.contiguous(), xp.planes, xp.scales, xp.row_sums, GROUP=group_size,
+                                          num_warps=1, **pdl_args(x.device))
+    return xp
 
 
 def gemv_w4_i8_planes(

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from halfbyte.kernels import gemm_w4, gemv_w4
+from halfbyte.kernels import gemm_w4, gemv_w4, gemv_w4_i8
 from halfbyte.kernels.dispatch import use_triton
 from halfbyte.kernels.quant_gemv import gemv_triton
 from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
@@ -169,3 +169,21 @@ def quant_matmul(
         w_t = dequantize_t_triton(qweight, scales, mins, bits, group_size, x.shape[1], x.dtype)
         return torch.mm(x, w_t)
     return quant_matmul_ref(x, qweight, scales, mins, bits, group_size).to(x.dtype)
+
+
+def x_planes_group(x: torch.Tensor, n: int, bits: int, group_size: int) -> int | None:
+    """The group size in which quant_matmul_planes wants x [1, K] as int8 planes for an [N, K]
+    weight, or None where quant_matmul (or the torch reference) is the path."""
+    if (not use_triton(x) or os.environ.get("HALFBYTE_W4_KERNEL") == "generic"
+            or not gemv_w4_i8.supports(x, bits, group_size) or gemv_w4_i8.config_for(n, x.shape[1]) is None):
+        return None
+    return group_size
+
+
+def quant_matmul_planes(
+    xp: gemv_w4_i8.XPlanes, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> torch.Tensor:
+    """quant_matmul of the x that the planes stand for (one row, 4 bits): gemv_w4_i8."""
+    n, k = qweight.shape[1], xp.planes.shape[0] * 8
+    cfg = gemv_w4_i8.config_for(n, k) or {}
+    return gemv_w4_i8.gemv_w4_i8_planes(xp, qweight, scales, mins, **cfg)

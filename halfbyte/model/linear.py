@@ -31,7 +31,12 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(self.weight.data.t().contiguous(), False)
             self.transposed = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def x_planes_group(self, x: torch.Tensor) -> int | None:
+        """Dense weights take no int8 planes of x (QuantLinear's seam)."""
+        return None
+
+    def forward(self, x: torch.Tensor, x_planes: object = None) -> torch.Tensor:
+        """x_planes: ignored (QuantLinear's seam: x as int8 planes)."""
         if self.transposed:
             if self.bias is not None:
                 return torch.addmm(self.bias, x, self.weight)

@@ -6,17 +6,23 @@ nothing of requests; it calls ops only through halfbyte.kernels."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from halfbyte.kernels.activation import silu_and_mul
 from halfbyte.kernels.attention import AttentionMetadata, paged_attention
 from halfbyte.kernels.embedding import embedding
-from halfbyte.kernels.rms_norm import add_rms_norm, rms_norm
+from halfbyte.kernels.gemv_w4_i8 import XPlanes
+from halfbyte.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_planes
 from halfbyte.kernels.rotary import rope_and_store
 from halfbyte.model.config import ModelConfig
 from halfbyte.model.linear import Linear
 from halfbyte.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from halfbyte.model.quant_linear import QuantLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: k, v [num_pages, page_size, Hkv, D]
 
@@ -36,9 +42,10 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        x_planes: XPlanes | None = None,  # x as int8 planes, where qkv_proj asked for them
     ) -> torch.Tensor:
         cfg = self.cfg
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, x_planes)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -55,8 +62,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, dtype, device)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, x_planes: XPlanes | None = None) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, x_planes)))
 
 
 class DecoderLayer(nn.Module):
@@ -70,6 +77,19 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
 
+    def _pre_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, consumer: Linear | QuantLinear
+    ) -> tuple[torch.Tensor, torch.Tensor, XPlanes | None]:
+        """(norm(x + r), x + r, None): the residual add is fused into the norm. Where the consumer
+        takes x as int8 planes (one row, 4 bits: gemv_w4_i8), the norm writes them too."""
+        group = consumer.x_planes_group(x)
+        if group is not None:
+            return rms_norm_planes(x, residual, weight, self.eps, group)
+        if residual is None:
+            return rms_norm(x, weight, self.eps), x, None
+        h, summed = add_rms_norm(x, residual, weight, self.eps)
+        return h, summed, None
+
     def forward(
         self,
         x: torch.Tensor,
@@ -79,14 +99,10 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add is fused into the following norm: (norm(x + r), x + r).
-        if residual is None:
-            residual, h = x, rms_norm(x, self.input_layernorm, self.eps)
-        else:
-            h, residual = add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
-        h, residual = add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(h), residual
+        h, residual, planes = self._pre_norm(x, residual, self.input_layernorm, self.self_attn.qkv_proj)
+        h = self.self_attn(h, cos, sin, kv_cache, meta, planes)
+        h, residual, planes = self._pre_norm(h, residual, self.post_attention_layernorm, self.mlp.gate_up_proj)
+        return self.mlp(h, planes), residual
 
 
 class LlamaModel(nn.Module):

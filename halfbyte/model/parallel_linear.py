@@ -26,7 +26,7 @@ class RowParallelLinear(Linear):
         super().__init__(in_local, out_features, bias, dtype, device)
         self.comm = comm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in_local] -> [T, out]
+    def forward(self, x: torch.Tensor, x_planes: object = None) -> torch.Tensor:  # x [T, in_local] -> [T, out]
         y = torch.mm(x, self.weight) if self.transposed else F.linear(x, self.weight)
         y = self.comm.all_reduce(y)
         return y + self.bias if self.bias is not None else y

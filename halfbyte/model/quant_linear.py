@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from halfbyte.kernels import cpu_int4
-from halfbyte.kernels.quant_matmul import quant_matmul
+from halfbyte.kernels.gemv_w4_i8 import XPlanes
+from halfbyte.kernels.quant_matmul import quant_matmul, quant_matmul_planes, x_planes_group
 from halfbyte.quant.qtensor import QuantWeight
 
 
@@ -51,9 +52,22 @@ class QuantLinear(nn.Module):
         else:
             self.dense_t = w.dequantize(self.dtype).t().contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def x_planes_group(self, x: torch.Tensor) -> int | None:
+        """The group size in which forward wants x's int8 planes beside x (written by x's producer,
+        read by gemv_w4_i8), or None: one 4-bit slice in stored order, a call the kernel takes."""
+        w = self.qweight
+        if self.dense_t is not None or self.cpu_int4 or w.perm is not None or len(w.slices) != 1:
+            return None
+        s = w.slices[0]
+        return x_planes_group(x, self.out_features, s.bits, s.group_size)
+
+    def forward(self, x: torch.Tensor, x_planes: XPlanes | None = None) -> torch.Tensor:
+        """x_planes: x as int8 planes in x_planes_group(x)'s groups, or None."""
         y: torch.Tensor | None = None
-        if self.dense_t is not None:
+        if x_planes is not None:
+            s = self.qweight.slices[0]
+            y = quant_matmul_planes(x_planes, s.qweight, s.scales, s.mins)
+        elif self.dense_t is not None:
             y = torch.mm(x, self.dense_t)
         elif self.cpu_int4:
             for start, end, packed in self.cpu_int4:
