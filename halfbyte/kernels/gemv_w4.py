@@ -143,6 +143,20 @@ if HAS_TRITON:
         return _add_scaled(acc, dots, xs, w_row, row_ok, scales_ptr, mins_ptr, k0, N, rn, n_mask, GROUP, BLOCK_K)
 
     @triton.jit
+    def pair_asm(ASM: tl.constexpr, we, wo, e0, e1, e2, e3, o0, o1, o2, o3):
+        """fp32 [KW/2, N] = ASM per element on an even and an odd word row (we, wo) and their
+        rows' four 32-bit x operands each (e*, o* [KW/2], broadcast along N). gemv_w4_i8 shares it."""
+        shape: tl.constexpr = we.shape
+        return tl.inline_asm_elementwise(
+            ASM, "=r,r,r,r,r,r,r,r,r,r,r",
+            [we, wo, tl.broadcast_to(e0[:, None], shape), tl.broadcast_to(e1[:, None], shape),
+             tl.broadcast_to(e2[:, None], shape), tl.broadcast_to(e3[:, None], shape),
+             tl.broadcast_to(o0[:, None], shape), tl.broadcast_to(o1[:, None], shape),
+             tl.broadcast_to(o2[:, None], shape), tl.broadcast_to(o3[:, None], shape)],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )
+
+    @triton.jit
     def _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
                        GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
         """acc [KW/2, N] fp32 += one tile's contribution, its even word rows in we, odd in wo: one
@@ -154,14 +168,7 @@ if HAS_TRITON:
         e04, e15, e26, e37, xs_e = _x_pairs(x_ptr, row_e, ok_e)
         o04, o15, o26, o37, xs_o = _x_pairs(x_ptr, row_e + 1, ok_o)
         if USE_ASM:
-            dots = tl.inline_asm_elementwise(
-                DOT16_ASM, "=r,r,r,r,r,r,r,r,r,r,r",
-                [we, wo, tl.broadcast_to(e04[:, None], [HALF, BLOCK_N]), tl.broadcast_to(e15[:, None], [HALF, BLOCK_N]),
-                 tl.broadcast_to(e26[:, None], [HALF, BLOCK_N]), tl.broadcast_to(e37[:, None], [HALF, BLOCK_N]),
-                 tl.broadcast_to(o04[:, None], [HALF, BLOCK_N]), tl.broadcast_to(o15[:, None], [HALF, BLOCK_N]),
-                 tl.broadcast_to(o26[:, None], [HALF, BLOCK_N]), tl.broadcast_to(o37[:, None], [HALF, BLOCK_N])],
-                dtype=tl.float32, is_pure=True, pack=1,
-            )
+            dots = pair_asm(DOT16_ASM, we, wo, e04, e15, e26, e37, o04, o15, o26, o37)
         else:
             ue = we.to(tl.uint32, bitcast=True)
             uo = wo.to(tl.uint32, bitcast=True)

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from halfbyte.kernels.gemv_w4 import _load_rows, _use_asm
+from halfbyte.kernels.gemv_w4 import _load_rows, _use_asm, pair_asm
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
 from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
@@ -207,14 +207,7 @@ if HAS_TRITON:
         o3 = tl.load(po + 3, mask=ok_o, other=0)
         rsum = tl.load(xrow_ptr + row_e, mask=ok_e, other=0.0) + tl.load(xrow_ptr + row_e + 1, mask=ok_o, other=0.0)
         if USE_ASM:
-            dots = tl.inline_asm_elementwise(
-                DOT16_I8_ASM, "=r,r,r,r,r,r,r,r,r,r,r",
-                [we, wo, tl.broadcast_to(e0[:, None], [HALF, BLOCK_N]), tl.broadcast_to(e1[:, None], [HALF, BLOCK_N]),
-                 tl.broadcast_to(e2[:, None], [HALF, BLOCK_N]), tl.broadcast_to(e3[:, None], [HALF, BLOCK_N]),
-                 tl.broadcast_to(o0[:, None], [HALF, BLOCK_N]), tl.broadcast_to(o1[:, None], [HALF, BLOCK_N]),
-                 tl.broadcast_to(o2[:, None], [HALF, BLOCK_N]), tl.broadcast_to(o3[:, None], [HALF, BLOCK_N])],
-                dtype=tl.float32, is_pure=True, pack=1,
-            )
+            dots = pair_asm(DOT16_I8_ASM, we, wo, e0, e1, e2, e3, o0, o1, o2, o3)
         else:
             dots = _dot16_plain(we, wo, e0, e1, e2, e3, o0, o1, o2, o3)
         if GROUP % (BLOCK_KW * 8) == 0:  # the tile is inside one group: one scale row

@@ -55,14 +55,15 @@ if HAS_TRITON:
             r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
             xf = (xf + r).to(dtype).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-        cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-        mask = cols < n_cols
-        xf = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        if CHUNK < BLOCK:  # this program's columns, again (from L1/L2); one chunk keeps the row it has
+            cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+            mask = cols < n_cols
+            xf = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+                xf = (xf + r).to(dtype).to(tl.float32)
         if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-            summed = (xf + r).to(dtype)
-            tl.store(res_out_ptr + row * n_cols + cols, summed, mask=mask)
-            xf = summed.to(tl.float32)
+            tl.store(res_out_ptr + row * n_cols + cols, xf.to(dtype), mask=mask)
         normed = (xf * rstd).to(dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         out = (normed * w).to(out_ptr.dtype.element_ty)
