@@ -108,13 +108,11 @@ _DOT16_I8_ASM = f"""{{
  and.b32 lo1, $2, 0x0f0f0f0f;
  shr.u32 hi1, $2, 4;
  and.b32 hi1, hi1, 0x0f0f0f0f;
- mov.b32 ia, 0;
- mov.b32 ib, {_MAGIC};
- dp4a.u32.s32 ia, lo0, $3, ia;
+ dp4a.u32.s32 ia, lo0, $3, 0;
  dp4a.u32.s32 ia, hi0, $4, ia;
  dp4a.u32.s32 ia, lo1, $7, ia;
  dp4a.u32.s32 ia, hi1, $8, ia;
- dp4a.u32.s32 ib, lo0, $5, ib;
+ dp4a.u32.s32 ib, lo0, $5, {_MAGIC};
  dp4a.u32.s32 ib, hi0, $6, ib;
  dp4a.u32.s32 ib, lo1, $9, ib;
  dp4a.u32.s32 ib, hi1, $10, ib;
@@ -129,6 +127,7 @@ if HAS_TRITON:
     INV_A_MAX = tl.constexpr(_INV_A_MAX)
     BS = tl.constexpr(B_SCALE)
     INV_B = tl.constexpr(_INV_B)
+    LD_V4_ASM = tl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
 
     @triton.jit
     def store_planes(x, first_group, n_groups, planes_ptr, scales_ptr, row_sums_ptr,
@@ -193,19 +192,25 @@ if HAS_TRITON:
         """acc [KW/2, N] += one tile: even word rows in we, odd in wo."""
         HALF: tl.constexpr = BLOCK_KW // 2
         row_e = k0 // 8 + 2 * tl.arange(0, HALF)
-        ok_e = row_e * 8 < k_end
-        ok_o = row_e * 8 + 8 < k_end
-        pe = planes_ptr + row_e * 4
-        po = pe + 4
-        e0 = tl.load(pe, mask=ok_e, other=0)
-        e1 = tl.load(pe + 1, mask=ok_e, other=0)
-        e2 = tl.load(pe + 2, mask=ok_e, other=0)
-        e3 = tl.load(pe + 3, mask=ok_e, other=0)
-        o0 = tl.load(po, mask=ok_o, other=0)
-        o1 = tl.load(po + 1, mask=ok_o, other=0)
-        o2 = tl.load(po + 2, mask=ok_o, other=0)
-        o3 = tl.load(po + 3, mask=ok_o, other=0)
-        rsum = tl.load(xrow_ptr + row_e, mask=ok_e, other=0.0) + tl.load(xrow_ptr + row_e + 1, mask=ok_o, other=0.0)
+        # a pair never straddles k_end (K and k_per_split are multiples of 16), so one mask serves both rows
+        ok = row_e * 8 < k_end
+        if USE_ASM:  # each row's four planes as one 16-byte load; rows past k_end meet zero weights, so row 0 will do
+            pe = planes_ptr + tl.where(ok, row_e, 0) * 4
+            e0, e1, e2, e3 = tl.inline_asm_elementwise(LD_V4_ASM, "=r,=r,=r,=r,l", [pe], dtype=(tl.int32,) * 4,
+                                                       is_pure=True, pack=1)
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(LD_V4_ASM, "=r,=r,=r,=r,l", [pe + 4], dtype=(tl.int32,) * 4,
+                                                       is_pure=True, pack=1)
+        else:
+            pe = planes_ptr + row_e * 4
+            e0 = tl.load(pe, mask=ok, other=0)
+            e1 = tl.load(pe + 1, mask=ok, other=0)
+            e2 = tl.load(pe + 2, mask=ok, other=0)
+            e3 = tl.load(pe + 3, mask=ok, other=0)
+            o0 = tl.load(pe + 4, mask=ok, other=0)
+            o1 = tl.load(pe + 5, mask=ok, other=0)
+            o2 = tl.load(pe + 6, mask=ok, other=0)
+            o3 = tl.load(pe + 7, mask=ok, other=0)
+        rsum = tl.load(xrow_ptr + row_e, mask=ok, other=0.0) + tl.load(xrow_ptr + row_e + 1, mask=ok, other=0.0)
         if USE_ASM:
             dots = pair_asm(DOT16_I8_ASM, we, wo, e0, e1, e2, e3, o0, o1, o2, o3)
         else:
@@ -218,9 +223,9 @@ if HAS_TRITON:
             return acc + dots * s[None, :] + rsum[:, None] * m[None, :]
         else:  # a pair of rows is inside one group (GROUP % 16 == 0)
             g_row = (row_e * 8) // GROUP
-            mask = ok_e[:, None] & n_mask[None, :]
+            mask = ok[:, None] & n_mask[None, :]
             offs = (g_row * N)[:, None] + rn[None, :]
-            sx_row = tl.load(xs_ptr + g_row, mask=ok_e, other=0.0) * INV_B
+            sx_row = tl.load(xs_ptr + g_row, mask=ok, other=0.0) * INV_B
             s = tl.load(scales_ptr + offs, mask=mask, other=0.0).to(tl.float32) * sx_row[:, None]
             m = tl.load(mins_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             return acc + dots * s + rsum[:, None] * m
