@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--head-bits", type=int, default=None, help="quantize the LM head too (default: dense fp16)")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="print where prefill and eager decode spend GPU time")
@@ -127,7 +128,7 @@ def main() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)  # GPU.md: cuDNN SDPA costs ~2 ms of CPU per call
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    model = random_model(args.shape, args.bits, args.group, torch.float16, dev)
+    model = random_model(args.shape, args.bits, args.group, torch.float16, dev, head_bits=args.head_bits)
     if args.profile_batch:
         with torch.inference_mode():
             profile_batch(model, args.profile_batch, args.context)
@@ -163,12 +164,13 @@ def main() -> None:
             time_decode(model, pool, decoder, 128, 4, False, profile=True)
     peak = torch.cuda.max_memory_allocated() / 1e9
     bytes_per_token = (weights_gb + dense_gb - model.embed_tokens.numel() * 2 / 1e9) * 1e9
-    result = dict(shape=args.shape, bits=args.bits, group=args.group, device=torch.cuda.get_device_name(),
+    result = dict(shape=args.shape, bits=args.bits, group=args.group, head_bits=args.head_bits, device=torch.cuda.get_device_name(),
                   torch=torch.__version__, quantized_gb=weights_gb, dense_gb=dense_gb, peak_gb=peak,
                   bytes_per_token=bytes_per_token, rows=rows)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"\n{args.shape} {args.bits}-bit g{args.group} on {result['device']}: quantized {weights_gb:.2f} GB, "
+    head = f", head {args.head_bits}-bit" if args.head_bits else ""
+    print(f"\n{args.shape} {args.bits}-bit g{args.group}{head} on {result['device']}: quantized {weights_gb:.2f} GB, "
           f"dense {dense_gb:.2f} GB, peak {peak:.2f} GB")
     for name, v in rows.items():
         print(f"{name:<26}{v:>12.1f}")

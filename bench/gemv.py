@@ -34,6 +34,8 @@ TP2_SHAPES = {
     "70b.tp2.qkv": (5120, 8192), "70b.tp2.o": (8192, 4096), "70b.tp2.gate_up": (28672, 8192),
     "70b.tp2.down": (8192, 14336),
 }
+# The Llama-3 LM head (vocabulary 128,256) when quantized (bench/decode.py --head-bits): by name only
+HEAD_SHAPES = {"8b.head": (128256, 4096), "70b.head": (128256, 8192)}
 
 
 def graph_time(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
@@ -130,10 +132,10 @@ def main() -> None:
                     "too (gemv_w4 _diag 1 / 2: timing only, wrong outputs): what each costs")
     ap.add_argument("--no-read-ceiling", action="store_true",
                     help="skip timing a plain read of each shape's bytes (bench/read_ceiling.py)")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join({**SHAPES, **TP2_SHAPES})}")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join({**SHAPES, **TP2_SHAPES, **HEAD_SHAPES})}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    known = {**SHAPES, **TP2_SHAPES}
+    known = {**SHAPES, **TP2_SHAPES, **HEAD_SHAPES}
     if unknown := [s for s in args.shapes.split(",") if s not in known]:
         ap.error(f"unknown shape(s) {', '.join(unknown)}; known: {', '.join(known)}")
     copy_gbs = copy_bandwidth()

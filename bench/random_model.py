@@ -39,8 +39,9 @@ def random_quant_weight(n: int, k: int, bits: int, group: int, device: torch.dev
 
 
 def random_model(name: str, bits: int, group: int, dtype: torch.dtype, device: torch.device,
-                 max_position_embeddings: int = 8192) -> LlamaModel:
-    """A quantized model of the named shape with random weights; LM head dense in `dtype`."""
+                 max_position_embeddings: int = 8192, head_bits: int | None = None) -> LlamaModel:
+    """A quantized model of the named shape with random weights; LM head dense in `dtype`, or
+    quantized to head_bits (untied, as the converter's --head-bits writes it)."""
     cfg = shape_config(name, max_position_embeddings)
     model = LlamaModel(cfg, dtype, torch.device("meta"))
     for i, layer in enumerate(model.layers):
@@ -51,6 +52,9 @@ def random_model(name: str, bits: int, group: int, dtype: torch.dtype, device: t
             "mlp.down_proj": (cfg.hidden_size, cfg.intermediate_size),
         }.items():
             layer.set_submodule(path, QuantLinear(random_quant_weight(n, k, bits, group, device), None, dtype))
+    if head_bits is not None:
+        model.lm_head = QuantLinear(random_quant_weight(cfg.vocab_size, cfg.hidden_size, head_bits, group, device),
+                                    None, dtype)
     for mod in model.modules():
         for pname, p in list(mod._parameters.items()):
             if p is not None and p.device.type == "meta":
