@@ -125,8 +125,6 @@ def main() -> None:
     ap.add_argument("--sweep-split", action="store_true",
                     help="one row: gemv_w4 with 16-64 K splits and 8 warps, many more programs per SM (the read "
                     "ceiling's best grids run 16 programs x 8 warps per SM)")
-    ap.add_argument("--x-scalar", action="store_true",
-                    help="one row: the tuned config again with x's rows as four 4-byte loads (x_v4=False)")
     ap.add_argument("--sweep-prefetch", action="store_true",
                     help="1 and 16 rows: the tuned configs with 16-256 word rows requested into L2 before the PDL wait")
     ap.add_argument("--diag", action="store_true",
@@ -214,8 +212,6 @@ def main() -> None:
                            itertools.product((64, 128, 256), (16, 32), (2, 4, 8))]
             grid64 = grid_m + [dict(block_n=bn, block_m=bm, num_warps=w) for bn, bm, w in
                                itertools.product((64, 128, 256), (16, 32), (4, 8))] if args.sweep or args.sweep_rows else grid_m
-            if args.x_scalar:  # the tuned config with x's rows as four 4-byte loads (paired shapes only differ)
-                grid1 += [dict(x_v4=False)]
             if args.sweep_prefetch:
                 grid1 += [dict(prefetch_kw=p) for p in (16, 32, 64, 128, 256)]
                 grid16 += [dict(prefetch_kw=p) for p in (16, 32, 64, 128)]
@@ -272,15 +268,12 @@ def main() -> None:
             plain = min((tr for tr in one if not tr["cfg"].get("pair_rows")), key=lambda tr: tr["us"])
             paired = min((tr for tr in one if tr["cfg"].get("pair_rows")), key=lambda tr: tr["us"])
             print(f"{r['shape']:<12} b1 default {plain['us']:.1f} us, pair_rows {paired['us']:.1f} us {paired['cfg']}")
-    if args.x_scalar:
-        print("gemv_w4 b1, x rows as 16-byte loads (default) vs four 4-byte loads: " + ", ".join(
-            f"{r['shape']} {_trial_us(r, 1, {}):.1f} vs {_trial_us(r, 1, {'x_v4': False}):.1f} us" for r in rows))
     if args.sweep_prefetch:
         for r in rows:
             line = []
             for m in (1, 16):
                 mine = [tr for tr in r["trials"] if tr["rows"] == m and tr["kernel"] == "w4"]
-                base = _trial_us(r, m, {})
+                base = next(tr["us"] for tr in mine if not tr["cfg"])
                 best = min((tr for tr in mine if "prefetch_kw" in tr["cfg"]), key=lambda tr: tr["us"])
                 line.append(f"b{m} {base:.1f} -> {best['us']:.1f} us (prefetch {best['cfg']['prefetch_kw']})")
             print(f"{r['shape']:<12} L2 prefetch: " + ", ".join(line))
@@ -289,12 +282,6 @@ def main() -> None:
         f"b64 {'SP'[not r['x_split64']]} {r['w4_t64_us']:.1f}->{r['w4_t64_other_us'] or float('nan'):.1f} us"
         for r in rows if "w4_t16_other_us" in r))
     print_diag(rows)
-
-
-def _trial_us(row: dict[str, Any], m: int, cfg: dict[str, Any]) -> float:
-    """The time of one timed 4-bit config of a shape, NaN where it failed."""
-    return next((t["us"] for t in row.get("trials", []) if t["rows"] == m and t["kernel"] == "w4" and t["cfg"] == cfg),
-                float("nan"))
 
 
 def print_diag(rows: list[dict[str, Any]]) -> None:

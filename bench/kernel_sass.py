@@ -36,13 +36,13 @@ REGS_PER_SM, THREADS_PER_SM, BLOCKS_PER_SM = 65536, 2048, 32
 
 
 def compile_gemv_w4(block_n: int, block_kw: int, warps: int, group: int = 128,
-                    pair_rows: bool = False, prefetch_kw: int = 0, x_v4: bool = True) -> triton.compiler.CompiledKernel:
+                    pair_rows: bool = False, prefetch_kw: int = 0) -> triton.compiler.CompiledKernel:
     """The one-row kernel as bench/gemv.py launches it: pointers and N, K, k_per_split divisible
     by 16 (what the JIT specialises on for Llama shapes), split-K on, PDL on."""
     sig = {"x_ptr": "*fp16", "qw_ptr": "*i32", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": "*fp16",
            "partial_ptr": "*fp32", "counter_ptr": "*i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
     consts = dict(GROUP=group, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=2, PAIR_ROWS=pair_rows, USE_ASM=True, PDL=True,
-                  DIAG=0, PREFETCH_KW=prefetch_kw, X_V4=x_v4)
+                  DIAG=0, PREFETCH_KW=prefetch_kw)
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
     src = ASTSource(fn=gemv_w4._gemv_w4_m1_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                     constexprs=consts, attrs=attrs)
@@ -90,7 +90,6 @@ def main() -> None:
     ap.add_argument("configs", nargs="+", help="block_n,block_kw,warps[,p] (p: pair_rows; i: gemv_w4_i8)")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--dump", action="store_true", help="print the loop's SASS")
-    ap.add_argument("--x-scalar", action="store_true", help="gemv_w4: x's rows as four 4-byte loads (X_V4 off)")
     args = ap.parse_args()
     print(f"Triton {triton.__version__}, sm_90")
     for spec in args.configs:
@@ -99,7 +98,7 @@ def main() -> None:
         pairs = fields[3:] == ["p"]
         i8 = fields[3:] == ["i"]
         kernel = (compile_gemv_w4_i8(block_n, block_kw, warps, args.group) if i8
-                  else compile_gemv_w4(block_n, block_kw, warps, args.group, pairs, x_v4=not args.x_scalar))
+                  else compile_gemv_w4(block_n, block_kw, warps, args.group, pairs))
         regs = int(re.search(r"REG:(\d+)", _cuobjdump(kernel.asm["cubin"], "-res-usage")).group(1))  # type: ignore[union-attr]
         body = loop_body(_cuobjdump(kernel.asm["cubin"], "-sass"))
         ops: dict[str, int] = {}

@@ -67,45 +67,6 @@ def _dot_asm(words: int) -> str:
     return "\n".join(lines)
 
 
-# $0-$3 = x's half2 pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7) of one word row and $4 (fp32) = the sum of
-# its 8 values, from one 16-byte load at $5 (x 16-byte aligned), or all zero where $6 == 0 (rows
-# past the split's end: their words read 0, i.e. q - 8 = -8, so x must be 0 there)
-_X_ROW_ASM = """{
- .reg .pred p;
- .reg .b32 a, b, c, d;
- .reg .f16 h0, h1, h2, h3, h4, h5, h6, h7;
- .reg .f32 f0, f1, f2, f3, f4, f5, f6, f7;
- setp.ne.b32 p, $6, 0;
- mov.b32 a, 0;
- mov.b32 b, 0;
- mov.b32 c, 0;
- mov.b32 d, 0;
- @p ld.global.v4.b32 {a, b, c, d}, [$5];
- prmt.b32 $0, a, c, 0x5410;
- prmt.b32 $1, a, c, 0x7632;
- prmt.b32 $2, b, d, 0x5410;
- prmt.b32 $3, b, d, 0x7632;
- mov.b32 {h0, h1}, a;
- mov.b32 {h2, h3}, b;
- mov.b32 {h4, h5}, c;
- mov.b32 {h6, h7}, d;
- cvt.f32.f16 f0, h0;
- cvt.f32.f16 f1, h1;
- cvt.f32.f16 f2, h2;
- cvt.f32.f16 f3, h3;
- cvt.f32.f16 f4, h4;
- cvt.f32.f16 f5, h5;
- cvt.f32.f16 f6, h6;
- cvt.f32.f16 f7, h7;
- add.f32 f0, f0, f1;
- add.f32 f2, f2, f3;
- add.f32 f4, f4, f5;
- add.f32 f6, f6, f7;
- add.f32 f0, f0, f2;
- add.f32 f4, f4, f6;
- add.f32 $4, f0, f4;
-}"""
-
 _DOT8_ASM = _dot_asm(1)
 # two words of one column (rows 2i and 2i + 1 share a group: groups are multiples of 16 values)
 _DOT16_ASM = _dot_asm(2)
@@ -115,7 +76,6 @@ if HAS_TRITON:
     # jit functions read module globals only as constexprs
     DOT8_ASM = tl.constexpr(_DOT8_ASM)
     DOT16_ASM = tl.constexpr(_DOT16_ASM)
-    X_ROW_ASM = tl.constexpr(_X_ROW_ASM)
 
     @triton.jit
     def _nibble(uw, j: tl.constexpr):
@@ -139,21 +99,6 @@ if HAS_TRITON:
         xt = tl.load(x_ptr + (w_row * 8)[:, None] + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0.0)
         xs = tl.sum(xt.to(tl.float32), axis=1)
         return p04, p15, p26, p37, xs
-
-    @triton.jit
-    def _x_pairs_v4(x_ptr, w_row, row_ok):
-        """_x_pairs in one PTX block: one 16-byte load per row, byte permutes, the sum from the same registers."""
-        xw = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + w_row * 4
-        return tl.inline_asm_elementwise(X_ROW_ASM, "=r,=r,=r,=r,=f,l,r", [xw, row_ok.to(tl.int32)],
-                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.float32),
-                                         is_pure=True, pack=1)
-
-    @triton.jit
-    def _x_row(x_ptr, w_row, row_ok, X_V4: tl.constexpr):
-        if X_V4:
-            return _x_pairs_v4(x_ptr, w_row, row_ok)
-        else:
-            return _x_pairs(x_ptr, w_row, row_ok)
 
     @triton.jit
     def _add_scaled(acc, dots, xs, w_row, row_ok, scales_ptr, mins_ptr, k0, N, rn, n_mask,
@@ -213,16 +158,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
-                       GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
-                       X_V4: tl.constexpr):
+                       GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
         """acc [KW/2, N] fp32 += one tile's contribution, its even word rows in we, odd in wo: one
         fp32 conversion, scale FMA and min FMA per two words instead of per word."""
         HALF: tl.constexpr = BLOCK_KW // 2
         row_e = k0 // 8 + 2 * tl.arange(0, HALF)
         ok_e = row_e * 8 < k_end
         ok_o = row_e * 8 + 8 < k_end
-        e04, e15, e26, e37, xs_e = _x_row(x_ptr, row_e, ok_e, X_V4)
-        o04, o15, o26, o37, xs_o = _x_row(x_ptr, row_e + 1, ok_o, X_V4)
+        e04, e15, e26, e37, xs_e = _x_pairs(x_ptr, row_e, ok_e)
+        o04, o15, o26, o37, xs_o = _x_pairs(x_ptr, row_e + 1, ok_o)
         if USE_ASM:
             dots = pair_asm(DOT16_ASM, we, wo, e04, e15, e26, e37, o04, o15, o26, o37)
         else:
@@ -262,7 +206,7 @@ if HAS_TRITON:
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
         PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, DIAG: tl.constexpr,
-        PREFETCH_KW: tl.constexpr, X_V4: tl.constexpr,
+        PREFETCH_KW: tl.constexpr,
     ):
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
@@ -289,7 +233,7 @@ if HAS_TRITON:
                     seen ^= we ^ wo
                 else:
                     acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
-                                         GROUP, BLOCK_KW, BLOCK_N, USE_ASM, X_V4)
+                                         GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
                 we = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even, k_end, N, rn, n_mask)
                 wo = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even + 1, k_end, N, rn, n_mask)
         else:
@@ -362,17 +306,6 @@ def _use_asm() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-# HALFBYTE_GEMV_XV4=0 reads x's word rows with four 4-byte loads and a separate sum (A/B runs)
-_XV4_ENV = os.environ.get("HALFBYTE_GEMV_XV4", "1") != "0"
-
-
-def _x_v4(x: torch.Tensor, want: bool | None) -> bool:
-    """With paired rows, x's word rows as one 16-byte load each (PTX: the GPU only; x 16-byte
-    aligned). SASS (bench/kernel_sass.py): 8B gate_up's tile 28.3 -> 25.8 instructions per word and
-    128 -> 96 registers; unpaired tiles, whose x sums are spread over threads, gained nothing."""
-    return (_XV4_ENV if want is None else want) and _use_asm() and x.data_ptr() % 16 == 0
-
-
 def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
     """Whether gemv_w4 handles this call: one fp16 row (4-byte aligned: x is read as half2
     pairs), 4 bits, K in whole words. Several rows go to gemm_w4 (tensor cores)."""
@@ -384,12 +317,11 @@ def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
-    prefetch_kw: int | None = None, x_v4: bool | None = None, _diag: int = 0,
+    prefetch_kw: int | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
     prefetch_kw (a power of two or 0; default HALFBYTE_W4_PREFETCH): word rows after the first tile
-    requested into L2 before waiting for the previous kernel. x_v4 (default HALFBYTE_GEMV_XV4, on):
-    paired rows read x's rows as 16-byte loads where x is aligned for them.
+    requested into L2 before waiting for the previous kernel.
     _diag (bench/gemv.py --diag only; the output is then wrong): 1 skips the split-K combine, 2 also
     the arithmetic (the same loads, XORed): what the combine and the math cost."""
     k = x.shape[1]
@@ -416,7 +348,7 @@ def gemv_w4(
     _gemv_w4_m1_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
         GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows, USE_ASM=_use_asm(),
-        DIAG=_diag, PREFETCH_KW=prefetch_rows_arg(prefetch_kw), X_V4=_x_v4(x, x_v4), num_warps=num_warps, num_stages=num_stages,
+        DIAG=_diag, PREFETCH_KW=prefetch_rows_arg(prefetch_kw), num_warps=num_warps, num_stages=num_stages,
         **pdl_args(x.device),
     )
     return out
