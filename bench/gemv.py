@@ -125,8 +125,6 @@ def main() -> None:
     ap.add_argument("--sweep-split", action="store_true",
                     help="one row: gemv_w4 with 16-64 K splits and 8 warps, many more programs per SM (the read "
                     "ceiling's best grids run 16 programs x 8 warps per SM)")
-    ap.add_argument("--sweep-prefetch", action="store_true",
-                    help="1 and 16 rows: the tuned configs with 16-256 word rows requested into L2 before the PDL wait")
     ap.add_argument("--diag", action="store_true",
                     help="one row, the best config again without the split-K combine, and without the arithmetic "
                     "too (gemv_w4 _diag 1 / 2: timing only, wrong outputs): what each costs")
@@ -212,9 +210,6 @@ def main() -> None:
                            itertools.product((64, 128, 256), (16, 32), (2, 4, 8))]
             grid64 = grid_m + [dict(block_n=bn, block_m=bm, num_warps=w) for bn, bm, w in
                                itertools.product((64, 128, 256), (16, 32), (4, 8))] if args.sweep or args.sweep_rows else grid_m
-            if args.sweep_prefetch:
-                grid1 += [dict(prefetch_kw=p) for p in (16, 32, 64, 128, 256)]
-                grid16 += [dict(prefetch_kw=p) for p in (16, 32, 64, 128)]
             best1 = pick(new, grid1, x1, ref1)
             x64 = torch.randn(64, k, device="cuda", dtype=torch.float16)
             best16 = pick(mma, grid_m if args.sweep or args.sweep_rows else grid16, x16, ref16)
@@ -268,15 +263,6 @@ def main() -> None:
             plain = min((tr for tr in one if not tr["cfg"].get("pair_rows")), key=lambda tr: tr["us"])
             paired = min((tr for tr in one if tr["cfg"].get("pair_rows")), key=lambda tr: tr["us"])
             print(f"{r['shape']:<12} b1 default {plain['us']:.1f} us, pair_rows {paired['us']:.1f} us {paired['cfg']}")
-    if args.sweep_prefetch:
-        for r in rows:
-            line = []
-            for m in (1, 16):
-                mine = [tr for tr in r["trials"] if tr["rows"] == m and tr["kernel"] == "w4"]
-                base = next(tr["us"] for tr in mine if not tr["cfg"])
-                best = min((tr for tr in mine if "prefetch_kw" in tr["cfg"]), key=lambda tr: tr["us"])
-                line.append(f"b{m} {base:.1f} -> {best['us']:.1f} us (prefetch {best['cfg']['prefetch_kw']})")
-            print(f"{r['shape']:<12} L2 prefetch: " + ", ".join(line))
     print("gemm_w4, x split in the kernel (S) or permuted (P), default -> the other, same configs: " + ", ".join(
         f"{r['shape']} b16 {'SP'[not r['x_split16']]} {r['w4_t16_us']:.1f}->{r['w4_t16_other_us'] or float('nan'):.1f} "
         f"b64 {'SP'[not r['x_split64']]} {r['w4_t64_us']:.1f}->{r['w4_t64_other_us'] or float('nan'):.1f} us"

@@ -66,16 +66,14 @@ def test_gemv_w4(n: int, k: int, group: int) -> None:
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + 1)).half().to(DEVICE)
     assert gemv_w4.supports(x, 4, group)
     ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
-    # pair_rows: two word rows per fp32 conversion (16 products summed in fp16); prefetch: L2 requests
-    # before the wait (on the GPU), some past the split's end (clamped)
-    for split_k, block_n, block_kw, pairs, prefetch in (
-            (1, 64, 8, False, 0), (3, 128, 16, False, 64), (None, None, None, False, 0),
-            (1, 64, 8, True, 16), (3, 32, 16, True, 0), (None, 64, 32, True, 256)):
+    # pair_rows: two word rows per fp32 conversion (16 products summed in fp16)
+    for split_k, block_n, block_kw, pairs in ((1, 64, 8, False), (3, 128, 16, False), (None, None, None, False),
+                                              (1, 64, 8, True), (3, 32, 16, True), (None, 64, 32, True)):
         torch.empty(1, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))  # poison the allocator's next block
         out = gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=split_k, block_n=block_n, block_kw=block_kw,
-                              pair_rows=pairs, prefetch_kw=prefetch)
+                              pair_rows=pairs)
         assert out.dtype == torch.float16 and out.shape == (1, n)
-        assert rel_err(out, ref) <= 1e-3, (split_k, block_n, pairs, prefetch, rel_err(out, ref))
+        assert rel_err(out, ref) <= 1e-3, (split_k, block_n, pairs, rel_err(out, ref))
     with pytest.raises(ValueError, match="even block_kw"):
         gemv_w4.gemv_w4(x, qweight, scales, mins, group, block_kw=3, pair_rows=True)
 
@@ -99,16 +97,15 @@ def test_gemm_w4(m: int, n: int, k: int, group: int) -> None:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m + 1)).half().to(DEVICE)
     assert gemm_w4.supports(x, 4, group)
     ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
-    for split_k, block_n, block_kw, block_m, x_split, prefetch in (
-            (1, 64, 16, None, False, 0), (2, 32, 16, 16, True, 32),
-            (None, None, 32, None, True, 0), (None, 128, None, 16, False, 128)):
+    for split_k, block_n, block_kw, block_m, x_split in ((1, 64, 16, None, False), (2, 32, 16, 16, True),
+                                                         (None, None, 32, None, True), (None, 128, None, 16, False)):
         if k % (8 * block_kw if block_kw else 128):
             continue
         torch.empty(m, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))  # poison the allocator's next block
         out = gemm_w4.gemm_w4(x, qweight, scales, mins, group, split_k=split_k, block_n=block_n, block_kw=block_kw,
-                              block_m=block_m, x_split=x_split, prefetch_kw=prefetch)
+                              block_m=block_m, x_split=x_split)
         assert out.dtype == torch.float16 and out.shape == (m, n)
-        assert rel_err(out, ref) <= 1e-3, (split_k, block_n, block_kw, block_m, x_split, prefetch, rel_err(out, ref))
+        assert rel_err(out, ref) <= 1e-3, (split_k, block_n, block_kw, block_m, x_split, rel_err(out, ref))
 
 
 def test_gemm_w4_declines_what_it_cannot_do() -> None:

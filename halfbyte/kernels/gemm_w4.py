@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from halfbyte.kernels.gemv_w4 import _DEQUANT_PTX, _use_asm, prefetch_rows, prefetch_rows_arg
+from halfbyte.kernels.gemv_w4 import _DEQUANT_PTX, _use_asm
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
 from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
@@ -86,26 +86,21 @@ if HAS_TRITON:
         M, N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
         SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, X_SPLIT: tl.constexpr, PDL: tl.constexpr,
-        PREFETCH_KW: tl.constexpr,
     ):
+        pdl_sync(PDL)
         # out = x W^T, the weight tile as the dot's second operand (staged through shared memory).
         # (The weight as first operand, from registers, did not compile in Triton 3.6 on the H200.)
         T: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
-        k_start = pid_k * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
-        # the weights never change: PREFETCH_KW word rows are requested into L2 before waiting
-        # for the previous kernel (x's producer)
-        if USE_ASM and PREFETCH_KW > 0:
-            prefetch_rows(qw_ptr, k_start // 8, k_end // 8, N, pid_n * BLOCK_N, PREFETCH_KW, BLOCK_N)
-        pdl_sync(PDL)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = rn < N
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = rm < M
         rw = tl.arange(0, BLOCK_KW)
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         x_mask = m_mask[:, None]
         for k0 in range(k_start, k_end, T):  # k_per_split is a whole number of tiles; K too
@@ -198,14 +193,12 @@ def gemm_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, block_m: int | None = None,
-    x_split: bool | None = None, prefetch_kw: int | None = None,
+    x_split: bool | None = None,
 ) -> torch.Tensor:
     """x [2 <= M <= 64, K] fp16 -> [M, N] fp16. block_m < M splits the rows over programs
     (more programs, each weight tile read once per row block, mostly from L2). x_split: split x's
     tiles into value planes in the kernel instead of permuting x first (one launch less per
-    call; default X_SPLIT, HALFBYTE_GEMM_X=permute|split). prefetch_kw (a power of two or 0; default
-    HALFBYTE_W4_PREFETCH): word rows from each program's first requested into L2 before waiting for
-    the previous kernel."""
+    call; default X_SPLIT, HALFBYTE_GEMM_X=permute|split)."""
     m, k = x.shape
     if not supports(x, 4, group_size):
         raise ValueError(f"gemm_w4: unsupported x {tuple(x.shape)} {x.dtype} for 4-bit groups of {group_size}")
@@ -230,7 +223,7 @@ def gemm_w4(
     _gemm_w4_kernel[(col_blocks, split_k, row_blocks)](
         xp, qweight, scales, mins, out, partial, counters, m, n, k, k_per_split,
         GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
-        USE_ASM=_use_asm(), X_SPLIT=x_split, PREFETCH_KW=prefetch_rows_arg(prefetch_kw), num_warps=num_warps,
-        num_stages=num_stages, **pdl_args(x.device),
+        USE_ASM=_use_asm(), X_SPLIT=x_split, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(x.device),
     )
     return out

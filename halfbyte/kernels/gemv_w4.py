@@ -30,7 +30,7 @@ import os
 import torch
 
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
-from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, prefetch_l2, tl, triton
+from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
 # q - 8 for the 8 nibbles of a word as 4 half2 registers: pairs (0,4) (1,5) (2,6) (3,7).
 # BOTTOM nibbles (bits 0-3 of each half) -> 1024 + q, minus 1032; TOP (bits 4-7) -> 1024 + 16q,
@@ -187,15 +187,6 @@ if HAS_TRITON:
         return tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=mask, other=0)
 
     @triton.jit
-    def prefetch_rows(qw_ptr, row0, row_end, N, col0, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-        """L2 prefetch of word rows row0 .. row0 + ROWS - 1 (those past row_end - 1 clamped to it) of
-        columns col0 .. col0 + BLOCK_N - 1: one request per 128-byte line (32 words). Shared by gemm_w4."""
-        LINES: tl.constexpr = (BLOCK_N + 31) // 32
-        rows = tl.minimum(row0 + tl.arange(0, ROWS), row_end - 1)
-        cols = tl.minimum(col0 + tl.arange(0, LINES) * 32, N - 1)
-        prefetch_l2(qw_ptr + (rows * N)[:, None] + cols[None, :])
-
-    @triton.jit
     def _load_words(qw_ptr, k0, k_end, N, rn, n_mask, BLOCK_KW: tl.constexpr):
         """The tile of BLOCK_KW word rows from k0."""
         return _load_rows(qw_ptr, k0 // 8 + tl.arange(0, BLOCK_KW), k_end, N, rn, n_mask)
@@ -206,7 +197,6 @@ if HAS_TRITON:
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
         PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, DIAG: tl.constexpr,
-        PREFETCH_KW: tl.constexpr,
     ):
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
@@ -218,9 +208,6 @@ if HAS_TRITON:
         # The weights never change, so the first tile is read before waiting for the previous
         # kernel (PDL): its DRAM round trip overlaps that kernel's tail. Small matrices (8B qkv,
         # o) are one or two tiles per program, so most of their bytes move during the wait.
-        # PREFETCH_KW > 0 also asks L2 for the PREFETCH_KW word rows after the first tile.
-        if USE_ASM and PREFETCH_KW > 0:
-            prefetch_rows(qw_ptr, k_start // 8 + BLOCK_KW, k_end // 8, N, pid_n * BLOCK_N, PREFETCH_KW, BLOCK_N)
         if PAIR_ROWS:  # even and odd word rows as two tiles of one layout: a thread holds both
             even = 2 * tl.arange(0, BLOCK_KW // 2)
             we = _load_rows(qw_ptr, k_start // 8 + even, k_end, N, rn, n_mask)
@@ -289,17 +276,6 @@ _M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int, bool]] = 
 }
 # HALFBYTE_GEMV_PAIRS=0 / 1 forces pair_rows off / on for every shape (A/B runs)
 _PAIRS_ENV = os.environ.get("HALFBYTE_GEMV_PAIRS")
-# HALFBYTE_W4_PREFETCH=rows: gemv_w4 and gemm_w4 ask L2 for that many word rows before waiting for
-# the previous kernel (A/B runs; 0, the default, asks for none)
-PREFETCH_ENV = int(os.environ.get("HALFBYTE_W4_PREFETCH", "0"))
-
-
-def prefetch_rows_arg(prefetch_kw: int | None) -> int:
-    """The PREFETCH_KW constexpr for a launch: the argument, else HALFBYTE_W4_PREFETCH; 0 or a power of two."""
-    rows = PREFETCH_ENV if prefetch_kw is None else prefetch_kw
-    if rows < 0 or rows & (rows - 1):
-        raise ValueError(f"prefetch_kw must be 0 or a power of two, got {rows}")
-    return rows
 
 
 def _use_asm() -> bool:
@@ -316,12 +292,9 @@ def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
 def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
-    prefetch_kw: int | None = None, _diag: int = 0,
+    num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
-    prefetch_kw (a power of two or 0; default HALFBYTE_W4_PREFETCH): word rows after the first tile
-    requested into L2 before waiting for the previous kernel.
     _diag (bench/gemv.py --diag only; the output is then wrong): 1 skips the split-K combine, 2 also
     the arithmetic (the same loads, XORed): what the combine and the math cost."""
     k = x.shape[1]
@@ -348,8 +321,7 @@ def gemv_w4(
     _gemv_w4_m1_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
         GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows, USE_ASM=_use_asm(),
-        DIAG=_diag, PREFETCH_KW=prefetch_rows_arg(prefetch_kw), num_warps=num_warps, num_stages=num_stages,
-        **pdl_args(x.device),
+        DIAG=_diag, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
     return out
 

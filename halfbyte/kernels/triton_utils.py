@@ -62,14 +62,5 @@ if HAS_TRITON:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
 
-    @triton.jit
-    def prefetch_l2(ptrs):
-        """Ask the L2 cache for the lines holding ptrs: a hint that holds no registers and is waited
-        on by nothing. Kernels request weights they will read before pdl_sync, while the previous
-        kernel still runs; the loads after it then hit L2. Every pointer must be in bounds (clamp
-        rather than mask: the PTX has no predicate here). GPU only (the interpreter runs no PTX)."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
 else:  # pragma: no cover
-    pdl_sync = prefetch_l2 = None
+    pdl_sync = None
