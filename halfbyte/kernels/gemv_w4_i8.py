@@ -268,11 +268,11 @@ _TUNED: dict[tuple[int, int], tuple[int, int, int | None, int]] = {
     (28672, 4096): (64, 64, None, 8),  # 8B gate_up: 28.8 -> 23.6 us
     (57344, 8192): (64, 32, None, 4),  # 70B gate_up: 88.0 -> 86.2 us
 }
-# HALFBYTE_W4_I8=1 turns the model's use of this kernel on for the shapes above, =all for every
-# shape it supports (untuned ones take block 128 x 16, auto split, 4 warps). Off by default: in the
-# 8B decode step (H100, CUDA graph) the norm writing the planes cost more than the GEMVs gained
-# (328 vs 337 tokens/s, BENCHMARKS.md).
-_ENV = os.environ.get("HALFBYTE_W4_I8", "0")
+# The model uses this kernel for the shapes above (HALFBYTE_W4_I8=1, the default), for every shape
+# it supports with =all (untuned ones take block 128 x 16, auto split, 4 warps), never with =0.
+# In the 8B decode step (H100, CUDA graph, the norm writing the planes in column chunks) it gained
+# 334 -> 339 tokens/s, with a 4-bit head 362 -> 370 (BENCHMARKS.md, fifteenth session).
+_ENV = os.environ.get("HALFBYTE_W4_I8", "1")
 
 
 def config_for(n: int, k: int) -> dict[str, Any] | None:
