@@ -187,6 +187,16 @@ if HAS_TRITON:
         return (ia * BS + ib).to(tl.float32)
 
     @triton.jit
+    def _row_planes(p, ok, USE_ASM: tl.constexpr):
+        """The four int32 planes of the word rows at p; where not ok 0, or with USE_ASM whatever p
+        holds (those rows meet zero weights)."""
+        if USE_ASM:  # one 16-byte load per row
+            return tl.inline_asm_elementwise(LD_V4_ASM, "=r,=r,=r,=r,l", [p], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        else:
+            return (tl.load(p, mask=ok, other=0), tl.load(p + 1, mask=ok, other=0), tl.load(p + 2, mask=ok, other=0),
+                    tl.load(p + 3, mask=ok, other=0))
+
+    @triton.jit
     def _pair_tile(acc, we, wo, planes_ptr, xs_ptr, xrow_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
                    GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
         """acc [KW/2, N] += one tile: even word rows in we, odd in wo."""
@@ -194,22 +204,9 @@ if HAS_TRITON:
         row_e = k0 // 8 + 2 * tl.arange(0, HALF)
         # a pair never straddles k_end (K and k_per_split are multiples of 16), so one mask serves both rows
         ok = row_e * 8 < k_end
-        if USE_ASM:  # each row's four planes as one 16-byte load; rows past k_end meet zero weights, so row 0 will do
-            pe = planes_ptr + tl.where(ok, row_e, 0) * 4
-            e0, e1, e2, e3 = tl.inline_asm_elementwise(LD_V4_ASM, "=r,=r,=r,=r,l", [pe], dtype=(tl.int32,) * 4,
-                                                       is_pure=True, pack=1)
-            o0, o1, o2, o3 = tl.inline_asm_elementwise(LD_V4_ASM, "=r,=r,=r,=r,l", [pe + 4], dtype=(tl.int32,) * 4,
-                                                       is_pure=True, pack=1)
-        else:
-            pe = planes_ptr + row_e * 4
-            e0 = tl.load(pe, mask=ok, other=0)
-            e1 = tl.load(pe + 1, mask=ok, other=0)
-            e2 = tl.load(pe + 2, mask=ok, other=0)
-            e3 = tl.load(pe + 3, mask=ok, other=0)
-            o0 = tl.load(pe + 4, mask=ok, other=0)
-            o1 = tl.load(pe + 5, mask=ok, other=0)
-            o2 = tl.load(pe + 6, mask=ok, other=0)
-            o3 = tl.load(pe + 7, mask=ok, other=0)
+        pe = planes_ptr + tl.where(ok, row_e, 0) * 4  # rows past k_end read row 0's planes (in bounds)
+        e0, e1, e2, e3 = _row_planes(pe, ok, USE_ASM)
+        o0, o1, o2, o3 = _row_planes(pe + 4, ok, USE_ASM)
         rsum = tl.load(xrow_ptr + row_e, mask=ok, other=0.0) + tl.load(xrow_ptr + row_e + 1, mask=ok, other=0.0)
         if USE_ASM:
             dots = pair_asm(DOT16_I8_ASM, we, wo, e0, e1, e2, e3, o0, o1, o2, o3)
