@@ -2,7 +2,7 @@
 # One call on the GPU machine: GPU tests, then benchmarks; JSON under $OUT, a short table last.
 # Usage (device tool): [STEPS="tests parity decode ..."] bash bench/gpu_check.sh
 #   steps: tests (kernels vs references), parity (GPU vs CPU engine on SmolLM2, batched vs alone),
-#   decode (8B batch-1 decode + prefill), gemv (per-shape GB/s), gemv_i8 (the int8-x GEMV beside gemv_w4), sampling, tp (tensor-parallel 1
+#   decode (8B batch-1 decode + prefill), gemv (per-shape GB/s), read (plain reads of the small shapes' bytes, every grid), gemv_i8 (the int8-x GEMV beside gemv_w4), sampling, tp (tensor-parallel 1
 #   vs plain), serving (issue 5's GPU cases), triton_prefill (the opt-in prefill attention kernel),
 #   decode_nopdl / profile64_nopdl / gemv_nopdl (the same with HALFBYTE_PDL=0), decode_noi8 (HALFBYTE_W4_I8=0), decode_head (LM head at $HEAD_BITS, 4), exl2 (exllamav2 0.3.2 on a GPTQ checkpoint of the same shape, after decode: ratios),
 #   tp9 (issue 9, >= 2 GPUs: tensor-parallel parity and decode scaling per all-reduce, .evaltext/tokenizer
@@ -83,6 +83,9 @@ step_attention() {
 }
 step_gemv() {
   timeout "${GEMV_TIMEOUT:-300}" python3 bench/gemv.py --json "$OUT/gemv.json" ${GEMV_ARGS:-} 2>"$OUT/gemv.err" | tail -${GEMV_TAIL:-11}
+}
+step_read() {  # a plain read of the small GEMVs' bytes, every grid (one tile per program at 8-32 words per thread)
+  timeout 200 python3 bench/read_ceiling.py --all --mb ${READ_MB:-8.9 13.4 31.2} 2>&1 | tail -${READ_TAIL:-80}
 }
 step_gemv_i8() {  # gemv_w4_i8 (x as int8 planes, dp4a) beside gemv_w4, one row
   timeout "${GEMV_TIMEOUT:-300}" python3 bench/gemv_i8.py --json "$OUT/gemv_i8.json" ${GEMV_I8_ARGS:-} 2>"$OUT/gemv_i8.err" | tail -10

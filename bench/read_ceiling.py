@@ -45,16 +45,21 @@ def read_once(src: torch.Tensor, out: torch.Tensor, programs: int, block: int, w
 
 
 def read_configs(nbytes: int) -> list[tuple[int, int, int]]:
-    """(programs, block words, warps): whole waves of the SMs, and one tile per program."""
+    """(programs, block words, warps): whole waves of the SMs, and one tile per program (all of a
+    program's bytes requested before the PDL wait). At 8 words per thread one tile per program
+    needs every thread slot of the GPU for an 8B o matrix; at 16-32 words per thread it takes a
+    half or a quarter of them, so the next launch's programs fit beside it and load their bytes
+    while this one finishes (cross-launch overlap)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     words = nbytes // 4
     out = [(sms * w, b, nw) for w, b, nw in itertools.product((2, 4, 8, 16), (1024, 2048), (4, 8))]
-    out += [(triton.cdiv(words, b), b, nw) for b, nw in ((1024, 4), (2048, 8))]
+    out += [(triton.cdiv(words, b), b, nw) for b, nw in ((1024, 4), (2048, 8), (2048, 4), (4096, 8), (4096, 4), (8192, 8))]
     return out
 
 
-def read_ceiling_time(nbytes: int, rotated_time) -> tuple[float, tuple[int, int, int]]:  # type: ignore[no-untyped-def]
-    """Best seconds per read of nbytes (int32 words, copies rotated past L2), and its config."""
+def read_ceiling_time(nbytes: int, rotated_time, every: list | None = None) -> tuple[float, tuple[int, int, int]]:  # type: ignore[no-untyped-def]
+    """Best seconds per read of nbytes (int32 words, copies rotated past L2), and its config;
+    every (a list) collects (seconds, config) of each config tried."""
     words = nbytes // 4
     copies = [(torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device="cuda"),)
               for _ in range(max(1, -(-240_000_000 // nbytes)))]
@@ -65,6 +70,8 @@ def read_ceiling_time(nbytes: int, rotated_time) -> tuple[float, tuple[int, int,
     for cfg in read_configs(nbytes):
         t = rotated_time(lambda s, c=cfg: read_once(s, out, *c), copies)
         best = min(best, (t, cfg))
+        if every is not None:
+            every.append((t, cfg))
     del copies
     return best
 
@@ -88,14 +95,19 @@ def _check(src: torch.Tensor, out: torch.Tensor, programs: int = 8, block: int =
 
 
 def main() -> None:
-    from gemv import graph_time, rotated_time  # noqa: F401
+    from gemv import copy_bandwidth, rotated_time
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, nargs="+", default=[8.9, 13.4, 31.2, 62.9, 125.8, 251.7])
+    ap.add_argument("--all", action="store_true", help="print every config's time, not only the best")
     args = ap.parse_args()
+    print(f"copy {copy_bandwidth():.0f} GB/s (2 GiB, eager, as GPU.md's anchor)")
     for mb in args.mb:
         nbytes = int(mb * 1e6) // 4 * 4
-        t, cfg = read_ceiling_time(nbytes, rotated_time)
+        every: list = []
+        t, cfg = read_ceiling_time(nbytes, rotated_time, every)
+        for te, ce in every if args.all else []:
+            print(f"    {mb:8.1f} MB  {te * 1e6:8.2f} us  {nbytes / te / 1e9:7.0f} GB/s  {ce}")
         print(f"{mb:8.1f} MB  {t * 1e6:8.2f} us  {nbytes / t / 1e9:7.0f} GB/s  programs/block/warps {cfg}")
 
 
