@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gemv import HEAD_SHAPES, SHAPES, TP2_SHAPES, copy_bandwidth, graph_time, make_weight, rotated_time  # noqa: E402
+from gemv import SHAPES, TP2_SHAPES, copy_bandwidth, graph_time, make_weight, rotated_time  # noqa: E402
 
 from halfbyte.kernels import gemv_w4, gemv_w4_i8  # noqa: E402
 from halfbyte.kernels.quant_matmul import quant_matmul_ref  # noqa: E402
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a small config grid")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    known = {**SHAPES, **TP2_SHAPES, **HEAD_SHAPES}
+    known = {**SHAPES, **TP2_SHAPES}
     copy_gbs = copy_bandwidth()
     if args.quick:
         grid = [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w)

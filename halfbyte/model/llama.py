@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from halfbyte.kernels.activation import BLOCK as SILU_BLOCK
-from halfbyte.kernels.activation import silu_and_mul, silu_and_mul_planes
+from halfbyte.kernels.activation import silu_and_mul
 from halfbyte.kernels.attention import AttentionMetadata, paged_attention
 from halfbyte.kernels.embedding import embedding
 from halfbyte.kernels.gemv_w4_i8 import XPlanes
@@ -64,12 +63,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor, x_planes: XPlanes | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, x_planes)
-        # where down_proj takes its input as int8 planes (one row, gemv_w4_i8), SwiGLU writes them too
-        group = self.down_proj.x_planes_group(gate_up[:, : gate_up.shape[-1] // 2])
-        if group is not None and SILU_BLOCK % group == 0:
-            return self.down_proj(*silu_and_mul_planes(gate_up, group))
-        return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, x_planes)))
 
 
 class DecoderLayer(nn.Module):

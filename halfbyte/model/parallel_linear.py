@@ -54,10 +54,6 @@ class RowParallelQuantLinear(torch.nn.Module):
         self.perm: torch.Tensor | None
         self.register_buffer("perm", perm.long() if perm is not None else None, persistent=False)
 
-    def x_planes_group(self, x: torch.Tensor) -> int | None:
-        """No int8 planes of x: the rank's input range is cut (or gathered) here first."""
-        return None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split.gathered:
             x = self.comm.all_gather_last(x, self.input_widths)  # [T, K] original order
