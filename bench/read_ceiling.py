@@ -106,8 +106,9 @@ def main() -> None:
         nbytes = int(mb * 1e6) // 4 * 4
         every: list = []
         t, cfg = read_ceiling_time(nbytes, rotated_time, every)
-        for te, ce in every if args.all else []:
-            print(f"    {mb:8.1f} MB  {te * 1e6:8.2f} us  {nbytes / te / 1e9:7.0f} GB/s  {ce}")
+        if args.all:
+            for te, ce in every:
+                print(f"    {mb:8.1f} MB  {te * 1e6:8.2f} us  {nbytes / te / 1e9:7.0f} GB/s  {ce}")
         print(f"{mb:8.1f} MB  {t * 1e6:8.2f} us  {nbytes / t / 1e9:7.0f} GB/s  programs/block/warps {cfg}")
 
 

@@ -267,8 +267,9 @@ _TUNED: dict[tuple[int, int], tuple[int, int, int | None, int]] = {
 }
 # The model uses this kernel for the shapes above (HALFBYTE_W4_I8=1, the default), for every shape
 # it supports with =all (untuned ones take block 128 x 16, auto split, 4 warps), never with =0.
-# In the 8B decode step (H100, CUDA graph, the norm writing the planes in column chunks) it gained
-# 334 -> 339 tokens/s, with a 4-bit head 362 -> 370 (BENCHMARKS.md, fifteenth session).
+# In the 8B decode step (CUDA graph, the norm writing the planes in column chunks) it gained 363 ->
+# 390 tokens/s on the H200 (sixteenth session); on H100s it measured +1.5% and -2% (fifteenth and
+# sixteenth sessions, BENCHMARKS.md).
 _ENV = os.environ.get("HALFBYTE_W4_I8", "1")
 
 
