@@ -125,6 +125,12 @@ def main() -> None:
     ap.add_argument("--sweep-split", action="store_true",
                     help="one row: gemv_w4 with 16-64 K splits and 8 warps, many more programs per SM (the read "
                     "ceiling's best grids run 16 programs x 8 warps per SM)")
+    ap.add_argument("--one-tile", action="store_true",
+                    help="one row: configs whose K split is one tile, with the loop and compiled without it "
+                    "(gemv_w4 one_tile: fewer registers, room for the next launch's programs beside this one)")
+    ap.add_argument("--sweep-nosplit", action="store_true",
+                    help="one row: no K split (no combine: no partials, counter or serial sum), 8-32 columns per "
+                    "program over the whole K, as one tile (one_tile) or two")
     ap.add_argument("--diag", action="store_true",
                     help="one row, the best config again without the split-K combine, and without the arithmetic "
                     "too (gemv_w4 _diag 1 / 2: timing only, wrong outputs): what each costs")
@@ -199,6 +205,11 @@ def main() -> None:
             if args.sweep_split:
                 grid1 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=2, pair_rows=pr)
                           for bn, kw, sk, w, pr in itertools.product((128, 256), (8, 16), (16, 32, 64), (4, 8), (False, True))]
+            if args.one_tile:
+                grid1 += [dict(block_n=bn, block_kw=kw, num_warps=w, pair_rows=pr, split_k=-(-k // (8 * kw)), one_tile=one)
+                          for bn, kw, w, pr in ONE_TILE_CONFIGS for one in (False, True)]
+            if args.sweep_nosplit:
+                grid1 += nosplit_configs(k)
             grid16 = list(grid_m)
             if args.sweep_b16:
                 grid16 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st) for bn, kw, sk, st, w in
@@ -268,6 +279,44 @@ def main() -> None:
         f"b64 {'SP'[not r['x_split64']]} {r['w4_t64_us']:.1f}->{r['w4_t64_other_us'] or float('nan'):.1f} us"
         for r in rows if "w4_t16_other_us" in r))
     print_diag(rows)
+    if args.one_tile:
+        print_one_tile(rows)
+    if args.sweep_nosplit:
+        for r in rows:
+            one = [tr for tr in r["trials"] if tr["rows"] == 1 and tr["kernel"] == "w4"]
+            ns = sorted((tr for tr in one if tr["cfg"].get("split_k") == 1 and "one_tile" in tr["cfg"]), key=lambda tr: tr["us"])
+            print(f"{r['shape']:<12} b1 tuned {one[0]['us']:.1f} us; no split, best three: " + ", ".join(
+                f"{tr['us']:.1f} {tr['cfg']}" for tr in ns[:3]))
+
+
+# (block_n, block_kw, warps, pair_rows) for --one-tile: registers with / without the loop (sm_90,
+# bench/kernel_sass.py ...,o): 64x64x4 128 / 80, 64x64x8 pairs 59 / 40, 64x32x4 pairs 56 / 40,
+# 128x32x4 pairs 88 / 71, 128x64x8 pairs 80 / 72, 256x32x8 pairs 108 / 74
+ONE_TILE_CONFIGS = [(64, 64, 4, False), (64, 64, 8, True), (64, 32, 4, True), (128, 32, 4, True), (128, 64, 8, True),
+                    (256, 32, 8, True)]
+
+
+def nosplit_configs(k: int) -> list[dict[str, Any]]:
+    """Split 1 at 8-32 columns per program: K in one tile (compiled without the loop) or in two,
+    8-64 words per thread. Offline (sm_90): 8 x 512 x 4 warps paired 68 registers, 7 programs per
+    SM, so 8B qkv's 768 programs are all resident; 16 x 512 x 8 paired 66, 3 per SM (384)."""
+    full = 1 << (k // 8 - 1).bit_length()  # word rows of K, rounded up to a power of two
+    out = []
+    for bn, w, pr, tiles in itertools.product((8, 16, 32), (4, 8), (False, True), (1, 2)):
+        kw = full // tiles
+        if 8 <= bn * kw // (32 * w) <= 64:
+            out.append(dict(block_n=bn, block_kw=kw, num_warps=w, pair_rows=pr, split_k=1, one_tile=tiles == 1))
+    return out
+
+
+def print_one_tile(rows: list[dict[str, Any]]) -> None:
+    """Per shape and config: us with the loop -> compiled as one tile."""
+    for r in rows:
+        t = {(tr["cfg"].get("block_n"), tr["cfg"].get("block_kw"), tr["cfg"].get("num_warps"), tr["cfg"].get("pair_rows"),
+              tr["cfg"].get("one_tile")): tr["us"] for tr in r["trials"] if tr["rows"] == 1 and "one_tile" in tr["cfg"]}
+        print(f"{r['shape']:<12} one tile per split, loop -> none (us): " + ", ".join(
+            f"{bn}x{kw}x{w}{'p' if pr else ''} {t.get((bn, kw, w, pr, False), float('nan')):.1f}->{t.get((bn, kw, w, pr, True), float('nan')):.1f}"
+            for bn, kw, w, pr in ONE_TILE_CONFIGS) + f"  (best of all {r.get('w4_t1_us', float('nan')):.1f})")
 
 
 def print_diag(rows: list[dict[str, Any]]) -> None:

@@ -85,7 +85,7 @@ step_gemv() {
   timeout "${GEMV_TIMEOUT:-300}" python3 bench/gemv.py --json "$OUT/gemv.json" ${GEMV_ARGS:-} 2>"$OUT/gemv.err" | tail -${GEMV_TAIL:-11}
 }
 step_read() {  # a plain read of the small GEMVs' bytes, every grid (one tile per program at 8-32 words per thread)
-  timeout 200 python3 bench/read_ceiling.py --all --mb ${READ_MB:-8.9 13.4 31.2} 2>&1 | tail -${READ_TAIL:-80}
+  timeout 200 python3 bench/read_ceiling.py ${READ_ARGS---all} --mb ${READ_MB:-8.9 13.4 31.2} 2>&1 | tail -${READ_TAIL:-80}
 }
 step_gemv_i8() {  # gemv_w4_i8 (x as int8 planes, dp4a) beside gemv_w4, one row
   timeout "${GEMV_TIMEOUT:-300}" python3 bench/gemv_i8.py --json "$OUT/gemv_i8.json" ${GEMV_I8_ARGS:-} 2>"$OUT/gemv_i8.err" | tail -10

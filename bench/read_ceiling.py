@@ -76,6 +76,18 @@ def read_ceiling_time(nbytes: int, rotated_time, every: list | None = None) -> t
     return best
 
 
+def small_copy_time(nbytes: int, rotated_time) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per torch copy_ moving nbytes (nbytes / 2 read, nbytes / 2 written), pairs rotated
+    past L2 in the same chained harness: the copy engine's own rate at this size, against the
+    2 GiB copy that issue 4's percentages divide by."""
+    half = nbytes // 2
+    pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda").random_(), torch.empty(half, dtype=torch.uint8, device="cuda"))
+             for _ in range(max(1, -(-240_000_000 // nbytes)))]
+    t = rotated_time(lambda a, b: b.copy_(a), pairs)
+    del pairs
+    return t
+
+
 def _check(src: torch.Tensor, out: torch.Tensor, programs: int = 8, block: int = 1024) -> None:
     """Each program's result equals torch's sum over lanes of the XOR of its tiles: the kernel
     read every word it was given (a read ceiling that skipped bytes would be a lie)."""
@@ -101,7 +113,8 @@ def main() -> None:
     ap.add_argument("--mb", type=float, nargs="+", default=[8.9, 13.4, 31.2, 62.9, 125.8, 251.7])
     ap.add_argument("--all", action="store_true", help="print every config's time, not only the best")
     args = ap.parse_args()
-    print(f"copy {copy_bandwidth():.0f} GB/s (2 GiB, eager, as GPU.md's anchor)")
+    copy_gbs = copy_bandwidth()
+    print(f"copy {copy_gbs:.0f} GB/s (2 GiB, eager, as GPU.md's anchor)")
     for mb in args.mb:
         nbytes = int(mb * 1e6) // 4 * 4
         every: list = []
@@ -109,7 +122,11 @@ def main() -> None:
         if args.all:
             for te, ce in every:
                 print(f"    {mb:8.1f} MB  {te * 1e6:8.2f} us  {nbytes / te / 1e9:7.0f} GB/s  {ce}")
-        print(f"{mb:8.1f} MB  {t * 1e6:8.2f} us  {nbytes / t / 1e9:7.0f} GB/s  programs/block/warps {cfg}")
+        print(f"{mb:8.1f} MB  {t * 1e6:8.2f} us  {nbytes / t / 1e9:7.0f} GB/s ({100 * nbytes / t / 1e9 / copy_gbs:.1f}% of "
+              f"copy)  programs/block/warps {cfg}")
+        tc = small_copy_time(nbytes, rotated_time)
+        print(f"{mb:8.1f} MB  copy_ moving the same bytes, same harness: {tc * 1e6:8.2f} us "
+              f"({100 * nbytes / tc / 1e9 / copy_gbs:.1f}% of copy)")
 
 
 if __name__ == "__main__":

@@ -74,8 +74,16 @@ def test_gemv_w4(n: int, k: int, group: int) -> None:
                               pair_rows=pairs)
         assert out.dtype == torch.float16 and out.shape == (1, n)
         assert rel_err(out, ref) <= 1e-3, (split_k, block_n, pairs, rel_err(out, ref))
+    # one_tile: each split one tile (the last one partly past K where 128 does not divide it), no loop
+    for block_kw, pairs in ((8, False), (16, False), (16, True), (32, True)):
+        torch.empty(1, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))
+        out = gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=-(-k // (8 * block_kw)), block_n=64,
+                              block_kw=block_kw, pair_rows=pairs, one_tile=True)
+        assert rel_err(out, ref) <= 1e-3, (block_kw, pairs, rel_err(out, ref))
     with pytest.raises(ValueError, match="even block_kw"):
         gemv_w4.gemv_w4(x, qweight, scales, mins, group, block_kw=3, pair_rows=True)
+    with pytest.raises(ValueError, match="one_tile"):
+        gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=1, block_kw=8, one_tile=True)
 
 
 def test_gemv_w4_declines_what_it_cannot_do() -> None:

@@ -197,6 +197,7 @@ if HAS_TRITON:
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
         PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, DIAG: tl.constexpr,
+        ONE_TILE: tl.constexpr = False,
     ):
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
@@ -208,6 +209,7 @@ if HAS_TRITON:
         # The weights never change, so the first tile is read before waiting for the previous
         # kernel (PDL): its DRAM round trip overlaps that kernel's tail. Small matrices (8B qkv,
         # o) are one or two tiles per program, so most of their bytes move during the wait.
+        # ONE_TILE (k_per_split == BLOCK_K): no loop, so no registers hold a next tile in flight.
         if PAIR_ROWS:  # even and odd word rows as two tiles of one layout: a thread holds both
             even = 2 * tl.arange(0, BLOCK_KW // 2)
             we = _load_rows(qw_ptr, k_start // 8 + even, k_end, N, rn, n_mask)
@@ -215,29 +217,43 @@ if HAS_TRITON:
             pdl_sync(PDL)
             acc = tl.zeros([BLOCK_KW // 2, BLOCK_N], dtype=tl.float32)
             seen = tl.zeros([BLOCK_KW // 2, BLOCK_N], dtype=tl.int32)
-            for k0 in range(k_start, k_end, BLOCK_K):
-                if DIAG == 2:  # loads only
+            if ONE_TILE:
+                if DIAG == 2:
                     seen ^= we ^ wo
                 else:
-                    acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
+                    acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask,
                                          GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
-                we = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even, k_end, N, rn, n_mask)
-                wo = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even + 1, k_end, N, rn, n_mask)
+            else:
+                for k0 in range(k_start, k_end, BLOCK_K):
+                    if DIAG == 2:  # loads only
+                        seen ^= we ^ wo
+                    else:
+                        acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
+                                             GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
+                    we = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even, k_end, N, rn, n_mask)
+                    wo = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even + 1, k_end, N, rn, n_mask)
         else:
             words = _load_words(qw_ptr, k_start, k_end, N, rn, n_mask, BLOCK_KW)
             pdl_sync(PDL)
             acc = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
             seen = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.int32)
-            for k0 in range(k_start, k_end, BLOCK_K):
-                if DIAG == 2:  # loads only
+            if ONE_TILE:
+                if DIAG == 2:
                     seen ^= words
                 else:
-                    acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
+                    acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask,
                                    GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
-                # the next tile (past k_end fully masked: no traffic), requested after this one's
-                # reduction in program order; loading it at the top of the loop instead ran 70B qkv
-                # in 21.7 us instead of 16.2 (H200, BENCHMARKS.md)
-                words = _load_words(qw_ptr, k0 + BLOCK_K, k_end, N, rn, n_mask, BLOCK_KW)
+            else:
+                for k0 in range(k_start, k_end, BLOCK_K):
+                    if DIAG == 2:  # loads only
+                        seen ^= words
+                    else:
+                        acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
+                                       GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
+                    # the next tile (past k_end fully masked: no traffic), requested after this one's
+                    # reduction in program order; loading it at the top of the loop instead ran 70B qkv
+                    # in 21.7 us instead of 16.2 (H200, BENCHMARKS.md)
+                    words = _load_words(qw_ptr, k0 + BLOCK_K, k_end, N, rn, n_mask, BLOCK_KW)
         if DIAG == 2:
             acc += seen.to(tl.float32)
         total = tl.sum(acc, axis=0)[None, :]
@@ -278,6 +294,7 @@ _M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int, bool]] = 
 }
 # HALFBYTE_GEMV_PAIRS=0 / 1 forces pair_rows off / on for every shape (A/B runs)
 _PAIRS_ENV = os.environ.get("HALFBYTE_GEMV_PAIRS")
+_ONE_TILE_ENV = os.environ.get("HALFBYTE_GEMV_ONE_TILE", "0") == "1"
 
 
 def _use_asm() -> bool:
@@ -294,9 +311,12 @@ def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
 def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None, _diag: int = 0,
+    num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
+    one_tile: bool | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
+    one_tile: each program's split is one tile, compiled without the loop (None: where the split is
+    one tile and HALFBYTE_GEMV_ONE_TILE=1; off by default until timed).
     _diag (bench/gemv.py --diag only; the output is then wrong): 1 skips the split-K combine, 2 also
     the arithmetic (the same loads, XORed): what the combine and the math cost."""
     k = x.shape[1]
@@ -320,10 +340,14 @@ def gemv_w4(
     x = x.contiguous()
     col_blocks = triton.cdiv(n, block_n)
     split_k, k_per_split, out, partial, counters = split_k_launch(x, n, block_kw * 8, col_blocks, split_k)
+    fits = k_per_split == 8 * block_kw
+    if one_tile and not fits:
+        raise ValueError(f"gemv_w4: one_tile needs a split of one tile, got {k_per_split} k per split, block_kw {block_kw}")
+    one_tile = fits and (_ONE_TILE_ENV if one_tile is None else one_tile)
     _gemv_w4_m1_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
         GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows, USE_ASM=_use_asm(),
-        DIAG=_diag, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
+        DIAG=_diag, ONE_TILE=one_tile, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
     return out
 
