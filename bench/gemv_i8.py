@@ -29,11 +29,17 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--quick", action="store_true", help="a small config grid")
+    ap.add_argument("--nosplit", action="store_true",
+                    help="only configs without a K split, 8-32 columns per program over the whole K in two tiles "
+                    "(gemv_w4's --sweep-nosplit winners on the 8B attention shapes)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     known = {**SHAPES, **TP2_SHAPES}
     copy_gbs = copy_bandwidth()
-    if args.quick:
+    if args.nosplit:
+        grid = [dict(block_n=bn, block_kw=kw, split_k=1, num_warps=w)
+                for bn, kw, w in itertools.product((8, 16, 32), (128, 256), (4, 8)) if 8 <= bn * kw // (32 * w) <= 64]
+    elif args.quick:
         grid = [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w)
                 for bn, kw, sk, w in itertools.product((64, 128, 256), (16, 32), (None, 8), (4,))]
     else:

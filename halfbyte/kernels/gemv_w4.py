@@ -268,8 +268,8 @@ if HAS_TRITON:
 # lost 0.3-0.9 us on the three others. 70B o and down win with split 8 (the table had None):
 # 21.1 -> 14.5 and 41.5 -> 36.9 us in one later call.
 _M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int, bool]] = {
-    (6144, 4096): (256, 16, 16, 2, 4, False),  # 8B qkv (split 16: 8.7 -> 7.5 us, one call, seventh session)
-    (4096, 4096): (64, 64, 16, 2, 4, False),  # 8B o
+    (6144, 4096): (16, 256, 1, 2, 8, False),  # 8B qkv: no split (H100 8.4 -> 7.4 us; was 256 x 16, split 16)
+    (4096, 4096): (32, 512, 1, 2, 8, True),  # 8B o: no split, one tile (H100 7.2 -> 5.7 us; was 64 x 64, split 16)
     (28672, 4096): (256, 16, 8, 4, 4, True),  # 8B gate_up
     (4096, 14336): (64, 64, 8, 2, 8, True),  # 8B down
     (10240, 8192): (512, 16, None, 2, 4, False),  # 70B qkv
@@ -316,7 +316,7 @@ def gemv_w4(
 ) -> torch.Tensor:
     """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
     one_tile: each program's split is one tile, compiled without the loop (None: where the split is
-    one tile and HALFBYTE_GEMV_ONE_TILE=1; off by default until timed).
+    one tile and there is no split, or HALFBYTE_GEMV_ONE_TILE=1 for any one-tile split).
     _diag (bench/gemv.py --diag only; the output is then wrong): 1 skips the split-K combine, 2 also
     the arithmetic (the same loads, XORed): what the combine and the math cost."""
     k = x.shape[1]
@@ -343,7 +343,8 @@ def gemv_w4(
     fits = k_per_split == 8 * block_kw
     if one_tile and not fits:
         raise ValueError(f"gemv_w4: one_tile needs a split of one tile, got {k_per_split} k per split, block_kw {block_kw}")
-    one_tile = fits and (_ONE_TILE_ENV if one_tile is None else one_tile)
+    if one_tile is None:  # without a split the one-tile kernel won (H100, 8B o 7.2 -> 5.7 us, BENCHMARKS.md)
+        one_tile = fits and (split_k == 1 or _ONE_TILE_ENV)
     _gemv_w4_m1_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
         GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows, USE_ASM=_use_asm(),
