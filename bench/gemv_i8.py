@@ -30,7 +30,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--quick", action="store_true", help="a small config grid")
     ap.add_argument("--nosplit", action="store_true",
-                    help="only configs without a K split, 8-32 columns per program over the whole K in two tiles "
+                    help="only configs without a K split, 8-32 columns per program over the whole K in tiles of 128 or "
+                    "256 word rows "
                     "(gemv_w4's --sweep-nosplit winners on the 8B attention shapes)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

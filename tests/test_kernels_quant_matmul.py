@@ -76,7 +76,7 @@ def test_gemv_w4(n: int, k: int, group: int) -> None:
         assert rel_err(out, ref) <= 1e-3, (split_k, block_n, pairs, rel_err(out, ref))
     # one_tile: each split one tile (the last one partly past K where 128 does not divide it), no loop
     for block_kw, pairs in ((8, False), (16, False), (16, True), (32, True)):
-        torch.empty(1, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))
+        torch.empty(1, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))  # poison the allocator's next block
         out = gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=-(-k // (8 * block_kw)), block_n=64,
                               block_kw=block_kw, pair_rows=pairs, one_tile=True)
         assert rel_err(out, ref) <= 1e-3, (block_kw, pairs, rel_err(out, ref))

@@ -209,7 +209,9 @@ if HAS_TRITON:
         # The weights never change, so the first tile is read before waiting for the previous
         # kernel (PDL): its DRAM round trip overlaps that kernel's tail. Small matrices (8B qkv,
         # o) are one or two tiles per program, so most of their bytes move during the wait.
-        # ONE_TILE (k_per_split == BLOCK_K): no loop, so no registers hold a next tile in flight.
+        # ONE_TILE (k_per_split == BLOCK_K): no loop, so no registers hold a next tile in flight. Kept
+        # as its own branch: the loop with its next-tile load switched off instead still keeps the tile
+        # live (offline sm_90: 32 x 512 paired 128 -> 174 registers, 8 x 512 x 4 warps 78 -> 168).
         if PAIR_ROWS:  # even and odd word rows as two tiles of one layout: a thread holds both
             even = 2 * tl.arange(0, BLOCK_KW // 2)
             we = _load_rows(qw_ptr, k_start // 8 + even, k_end, N, rn, n_mask)
