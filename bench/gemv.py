@@ -131,8 +131,6 @@ def main() -> None:
     ap.add_argument("--sweep-nosplit", action="store_true",
                     help="one row: no K split (no combine: no partials, counter or serial sum), 8-32 columns per "
                     "program over the whole K, as one tile (one_tile) or two")
-    ap.add_argument("--swap", action="store_true",
-                    help="16 and 64 rows: gemm_w4 with the weight as the dot's first operand (SWAP_CONFIGS) beside the default")
     ap.add_argument("--diag", action="store_true",
                     help="one row, the best config again without the split-K combine, and without the arithmetic "
                     "too (gemv_w4 _diag 1 / 2: timing only, wrong outputs): what each costs")
@@ -227,11 +225,6 @@ def main() -> None:
             x64 = torch.randn(64, k, device="cuda", dtype=torch.float16)
             best16 = pick(mma, grid_m if args.sweep or args.sweep_rows else grid16, x16, ref16)
             best64 = pick(mma, grid64, x64, quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group))
-            if args.swap:
-                sw16 = pick(mma, [dict(c, swap=True) for c in SWAP_CONFIGS], x16, ref16, "swap")
-                sw64 = pick(mma, [dict(c, swap=True, block_m=bm) for c in SWAP_CONFIGS for bm in (32, 64)], x64,
-                            quant_matmul_ref(x64, qw, sc, mn, args.bits, args.group), "swap")
-                row.update(swap16=sw16 and dict(us=sw16[1] * 1e6, cfg=sw16[0]), swap64=sw64 and dict(us=sw64[1] * 1e6, cfg=sw64[0]))
             if best1 is None or best16 is None or best64 is None:
                 raise SystemExit(f"{name}: every 4-bit config failed (see stderr)")
             (cfg, w1, e1), (cfg16, w16, e16), (cfg64, w64, e64) = best1, best16, best64
@@ -286,11 +279,6 @@ def main() -> None:
         f"b64 {'SP'[not r['x_split64']]} {r['w4_t64_us']:.1f}->{r['w4_t64_other_us'] or float('nan'):.1f} us"
         for r in rows if "w4_t16_other_us" in r))
     print_diag(rows)
-    if args.swap:
-        for r in rows:
-            print(f"{r['shape']:<12} swap: b16 {r['w4_t16_us']:.1f} -> " + (f"{r['swap16']['us']:.1f} {r['swap16']['cfg']}" if r.get("swap16") else "-")
-                  + f"; b64 {r['w4_t64_us']:.1f} -> " + (f"{r['swap64']['us']:.1f} {r['swap64']['cfg']}" if r.get("swap64") else "-")
-                  + f"; b1 {r['w4_t1_us']:.1f}")
     if args.one_tile:
         print_one_tile(rows)
     if args.sweep_nosplit:
@@ -300,11 +288,6 @@ def main() -> None:
             print(f"{r['shape']:<12} b1 tuned {one[0]['us']:.1f} us; no split, best three: " + ", ".join(
                 f"{tr['us']:.1f} {tr['cfg']}" for tr in ns[:3]))
 
-
-# --swap: gemm_w4's weight-first kernel; block_n is the wgmma's M (64 per warp group of 4 warps)
-SWAP_CONFIGS = [dict(block_n=bn, block_kw=kw, num_warps=w, num_stages=st, split_k=sk)
-                for bn, kw, w, st, sk in itertools.product((64, 128), (16, 32), (4,), (2, 4), (None, 1))] + [
-                dict(block_n=bn, block_kw=kw, num_warps=8, num_stages=3) for bn, kw in itertools.product((128, 256), (16, 32))]
 
 # (block_n, block_kw, warps, pair_rows) for --one-tile: registers with / without the loop (sm_90,
 # bench/kernel_sass.py ...,o): 64x64x4 128 / 80, 64x64x8 pairs 59 / 40, 64x32x4 pairs 56 / 40,

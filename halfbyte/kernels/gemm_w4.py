@@ -148,65 +148,6 @@ if HAS_TRITON:
         _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n + pid_m * tl.num_programs(0), pid_k, SPLIT_K)
 
 
-    @triton.jit
-    def _gemm_w4_swap_kernel(
-        x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
-        M, N, K, k_per_split,
-        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-        SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,
-    ):
-        """out^T = dequant(W) x^T: the weight tile is the dot's first operand, so on Hopper it goes
-        from its packed words (staged by cp.async, a quarter of the fp16 bytes) through the PTX
-        dequantization straight into wgmma's register operand; only x's small planes pass through
-        shared memory. The columns of W are the MMA's M (64 per warp group), x's rows its N."""
-        pdl_sync(PDL)
-        T: tl.constexpr = BLOCK_KW * 8
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = rn < N
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = rm < M
-        rw = tl.arange(0, BLOCK_KW)
-        k_start = pid_k * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        x_rows = x_ptr + rm[None, :] * K + 8 * rw[:, None]  # plane j of the tile at k0: + k0 + j
-        x_mask = m_mask[None, :]
-        for k0 in range(k_start, k_end, T):
-            w_row = k0 // 8 + rw
-            words = tl.load(qw_ptr + rn[:, None] + (w_row * N)[None, :], mask=n_mask[:, None], other=0)  # [BN, KW]
-            if GROUP % T == 0:
-                offs = (k0 // GROUP) * N + rn[:, None]
-                smask = n_mask[:, None]
-            else:
-                offs = rn[:, None] + ((w_row * 8) // GROUP * N)[None, :]
-                smask = n_mask[:, None] & (rw >= 0)[None, :]
-            s = tl.load(scales_ptr + offs, mask=smask, other=0.0)
-            m8 = (tl.load(mins_ptr + offs, mask=smask, other=0.0).to(tl.float32) + 8.0 * s.to(tl.float32)).to(tl.float16)
-            if USE_ASM:
-                w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
-                    UNPACK8_DEQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-                    [words, tl.broadcast_to(_half2(s), words.shape), tl.broadcast_to(_half2(m8), words.shape)],
-                    dtype=(tl.float16,) * 8, is_pure=True, pack=1,
-                )
-            else:
-                uw = words.to(tl.uint32, bitcast=True)
-                w0, w1, w2, w3 = _plane(uw, 0, s, m8), _plane(uw, 1, s, m8), _plane(uw, 2, s, m8), _plane(uw, 3, s, m8)
-                w4, w5, w6, w7 = _plane(uw, 4, s, m8), _plane(uw, 5, s, m8), _plane(uw, 6, s, m8), _plane(uw, 7, s, m8)
-            xk = x_rows + k0
-            acc = tl.dot(w0, tl.load(xk + 0, mask=x_mask, other=0.0), acc)  # W_j [BN, KW] . x_j^T [KW, BM]
-            acc = tl.dot(w1, tl.load(xk + 1, mask=x_mask, other=0.0), acc)
-            acc = tl.dot(w2, tl.load(xk + 2, mask=x_mask, other=0.0), acc)
-            acc = tl.dot(w3, tl.load(xk + 3, mask=x_mask, other=0.0), acc)
-            acc = tl.dot(w4, tl.load(xk + 4, mask=x_mask, other=0.0), acc)
-            acc = tl.dot(w5, tl.load(xk + 5, mask=x_mask, other=0.0), acc)
-            acc = tl.dot(w6, tl.load(xk + 6, mask=x_mask, other=0.0), acc)
-            acc = tl.dot(w7, tl.load(xk + 7, mask=x_mask, other=0.0), acc)
-        _write_out(tl.trans(acc), out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n + pid_m * tl.num_programs(0),
-                   pid_k, SPLIT_K)
-
 def permute_x(x: torch.Tensor, block_kw: int) -> torch.Tensor:
     """x [M, K] -> plane-major tiles of 8 * block_kw columns (see the module docstring)."""
     m, k = x.shape
@@ -252,13 +193,12 @@ def gemm_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, block_m: int | None = None,
-    x_split: bool | None = None, swap: bool = False,
+    x_split: bool | None = None,
 ) -> torch.Tensor:
     """x [2 <= M <= 64, K] fp16 -> [M, N] fp16. block_m < M splits the rows over programs
     (more programs, each weight tile read once per row block, mostly from L2). x_split: split x's
     tiles into value planes in the kernel instead of permuting x first (one launch less per
-    call; default X_SPLIT, HALFBYTE_GEMM_X=permute|split). swap: the weight as the dot's first
-    operand (_gemm_w4_swap_kernel; x is read in place, x_split does not apply)."""
+    call; default X_SPLIT, HALFBYTE_GEMM_X=permute|split)."""
     m, k = x.shape
     if not supports(x, 4, group_size):
         raise ValueError(f"gemm_w4: unsupported x {tuple(x.shape)} {x.dtype} for 4-bit groups of {group_size}")
@@ -275,18 +215,11 @@ def gemm_w4(
     num_warps, num_stages = num_warps or tuned[2], num_stages or tuned[3]
     split_k = split_k if split_k is not None else tuned[4]
     x_split = x_split_default(n, k, rows) if x_split is None else x_split
-    xp = x.contiguous() if x_split or swap else permute_x(x.contiguous(), block_kw)
+    xp = x.contiguous() if x_split else permute_x(x.contiguous(), block_kw)
     block_m = block_m or tuned[5] or (16 if m <= 16 else 32 if m <= 32 else 64)
     row_blocks = triton.cdiv(m, block_m)
     col_blocks = triton.cdiv(n, block_n)
     split_k, k_per_split, out, partial, counters = split_k_launch(x, n, 8 * block_kw, col_blocks * row_blocks, split_k)
-    if swap:
-        _gemm_w4_swap_kernel[(col_blocks, split_k, row_blocks)](
-            xp, qweight, scales, mins, out, partial, counters, m, n, k, k_per_split,
-            GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
-            USE_ASM=_use_asm(), num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
-        )
-        return out
     _gemm_w4_kernel[(col_blocks, split_k, row_blocks)](
         xp, qweight, scales, mins, out, partial, counters, m, n, k, k_per_split,
         GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
