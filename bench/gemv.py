@@ -231,6 +231,8 @@ def main() -> None:
             if args.diag:  # same config, same copies; outputs not checked (they are not the product)
                 row["diag_us"] = [w1 * 1e6] + [
                     rotated_time(lambda q, s_, m_, d=d: new(x1, q, s_, m_, **cfg, _diag=d), copies) * 1e6 for d in (1, 2)]
+                row["diag16_us"] = [w16 * 1e6] + [
+                    rotated_time(lambda q, s_, m_, d=d: mma(x16, q, s_, m_, **cfg16, _diag=d), copies) * 1e6 for d in (1, 2, 3, 4)]
             # the other way to feed x's value planes (gemm_w4.x_split_default), same configs, same run
             split16, split64 = gemm_w4.x_split_default(n, k, 16), gemm_w4.x_split_default(n, k, 64)
             alt16 = pick(mma, [{**cfg16, "x_split": not split16}], x16, ref16)
@@ -323,6 +325,9 @@ def print_diag(rows: list[dict[str, Any]]) -> None:
     if any("diag_us" in r for r in rows):
         print("gemv_w4 b1, best config: full / without the split-K combine / loads only (us): " + ", ".join(
             f"{r['shape']} {' / '.join(f'{t:.1f}' for t in r['diag_us'])}" for r in rows if "diag_us" in r))
+        print("gemm_w4 b16, best config: full / no combine / x made in registers / dequantization without dots / "
+              "weight loads only (us): " + ", ".join(
+                  f"{r['shape']} {' / '.join(f'{t:.1f}' for t in r['diag16_us'])}" for r in rows if "diag16_us" in r))
 
 
 if __name__ == "__main__":

@@ -86,10 +86,15 @@ if HAS_TRITON:
         M, N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
         SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, X_SPLIT: tl.constexpr, PDL: tl.constexpr,
+        DIAG: tl.constexpr = 0,
     ):
         pdl_sync(PDL)
-        # out = x W^T, the weight tile as the dot's second operand (staged through shared memory).
-        # (The weight as first operand, from registers, did not compile in Triton 3.6 on the H200.)
+        # out = x W^T, the weight tile as the dot's second operand: on sm_90 Triton 3.6 lowers it to
+        # mma.sync with the words staged by cp.async and dequantized in the operand's registers.
+        # The weight as first operand (wgmma from registers, x's planes through shared memory)
+        # compiles too but ran 1.3-1.6x slower at 16 rows (H100, BENCHMARKS.md, eighteenth session).
+        # DIAG (bench/gemv.py --diag, timing only): 1 no split-K combine, 2 also x's planes made in
+        # registers instead of loaded, 3 dequantization without the dots, 4 the weight loads only.
         T: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -102,6 +107,8 @@ if HAS_TRITON:
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        seen = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.int32)  # DIAG 3 / 4 only
+        wsum = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
         x_mask = m_mask[:, None]
         for k0 in range(k_start, k_end, T):  # k_per_split is a whole number of tiles; K too
             w_row = k0 // 8 + rw
@@ -114,7 +121,9 @@ if HAS_TRITON:
                 smask = n_mask[None, :] & (rw >= 0)[:, None]
             s = tl.load(scales_ptr + offs, mask=smask, other=0.0)
             m8 = (tl.load(mins_ptr + offs, mask=smask, other=0.0).to(tl.float32) + 8.0 * s.to(tl.float32)).to(tl.float16)
-            if USE_ASM:
+            if DIAG == 4:
+                seen ^= words
+            elif USE_ASM:
                 w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
                     UNPACK8_DEQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
                     [words, tl.broadcast_to(_half2(s), words.shape), tl.broadcast_to(_half2(m8), words.shape)],
@@ -124,7 +133,21 @@ if HAS_TRITON:
                 uw = words.to(tl.uint32, bitcast=True)
                 w0, w1, w2, w3 = _plane(uw, 0, s, m8), _plane(uw, 1, s, m8), _plane(uw, 2, s, m8), _plane(uw, 3, s, m8)
                 w4, w5, w6, w7 = _plane(uw, 4, s, m8), _plane(uw, 5, s, m8), _plane(uw, 6, s, m8), _plane(uw, 7, s, m8)
-            if X_SPLIT:  # xp_ptr is x itself
+            if DIAG == 4:
+                pass
+            elif DIAG == 3:
+                wsum += (w0 + w1 + w2 + w3).to(tl.float32) + (w4 + w5 + w6 + w7).to(tl.float32)
+            elif DIAG == 2:
+                xc = (tl.zeros([BLOCK_M, BLOCK_KW], dtype=tl.float32) + (k0 % 7)).to(tl.float16)
+                acc = tl.dot(xc, w0, acc)
+                acc = tl.dot(xc, w1, acc)
+                acc = tl.dot(xc, w2, acc)
+                acc = tl.dot(xc, w3, acc)
+                acc = tl.dot(xc, w4, acc)
+                acc = tl.dot(xc, w5, acc)
+                acc = tl.dot(xc, w6, acc)
+                acc = tl.dot(xc, w7, acc)
+            elif X_SPLIT:  # xp_ptr is x itself
                 x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(xp_ptr, rm, k0, K, x_mask, BLOCK_M, BLOCK_KW)
                 acc = tl.dot(x0, w0, acc)
                 acc = tl.dot(x1, w1, acc)
@@ -144,8 +167,11 @@ if HAS_TRITON:
                 acc = _acc_plane(acc, w5, xp_ptr, x_offs, x_mask, 5, BLOCK_KW)
                 acc = _acc_plane(acc, w6, xp_ptr, x_offs, x_mask, 6, BLOCK_KW)
                 acc = _acc_plane(acc, w7, xp_ptr, x_offs, x_mask, 7, BLOCK_KW)
+        if DIAG >= 3:
+            acc += (tl.sum(wsum, axis=0) + tl.sum(seen, axis=0).to(tl.float32))[None, :]
         # one split-K counter per output tile
-        _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n + pid_m * tl.num_programs(0), pid_k, SPLIT_K)
+        _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n + pid_m * tl.num_programs(0), pid_k, SPLIT_K,
+                   DIAG == 0)
 
 
 def permute_x(x: torch.Tensor, block_kw: int) -> torch.Tensor:
@@ -193,12 +219,13 @@ def gemm_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, block_m: int | None = None,
-    x_split: bool | None = None,
+    x_split: bool | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [2 <= M <= 64, K] fp16 -> [M, N] fp16. block_m < M splits the rows over programs
     (more programs, each weight tile read once per row block, mostly from L2). x_split: split x's
     tiles into value planes in the kernel instead of permuting x first (one launch less per
-    call; default X_SPLIT, HALFBYTE_GEMM_X=permute|split)."""
+    call; default X_SPLIT, HALFBYTE_GEMM_X=permute|split). _diag: bench/gemv.py --diag only (the
+    output is then wrong; see the kernel)."""
     m, k = x.shape
     if not supports(x, 4, group_size):
         raise ValueError(f"gemm_w4: unsupported x {tuple(x.shape)} {x.dtype} for 4-bit groups of {group_size}")
@@ -223,7 +250,7 @@ def gemm_w4(
     _gemm_w4_kernel[(col_blocks, split_k, row_blocks)](
         xp, qweight, scales, mins, out, partial, counters, m, n, k, k_per_split,
         GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
-        USE_ASM=_use_asm(), X_SPLIT=x_split, num_warps=num_warps, num_stages=num_stages,
+        USE_ASM=_use_asm(), X_SPLIT=x_split, DIAG=_diag, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(x.device),
     )
     return out
