@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--sweep-nosplit", action="store_true",
                     help="one row: no K split (no combine: no partials, counter or serial sum), 8-32 columns per "
                     "program over the whole K, as one tile (one_tile) or two")
+    ap.add_argument("--sweep-b16-nosplit", action="store_true",
+                    help="16 rows: gemm_w4 tiles of 16-64 columns with no or a 2-way K split (no or a small combine)")
     ap.add_argument("--diag", action="store_true",
                     help="one row, the best config again without the split-K combine, and without the arithmetic "
                     "too (gemv_w4 _diag 1 / 2: timing only, wrong outputs): what each costs")
@@ -214,6 +216,9 @@ def main() -> None:
             if args.sweep_b16:
                 grid16 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st) for bn, kw, sk, st, w in
                            itertools.product((32, 64, 128), (16, 32), (None, 4), (3, 5), (2, 4))]
+            if args.sweep_b16_nosplit:  # the split-K combine of 16 rows costs 1.7-5.7 us (--diag)
+                grid16 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st) for bn, kw, sk, w, st in
+                           itertools.product((16, 32, 64), (16, 32, 64), (1, 2), (2, 4), (2, 4)) if sk == 1 or bn > 16]
             if args.sweep or args.sweep_rows:
                 grid_m += [dict(block_n=bn, block_kw=kw, num_warps=w, num_stages=st)
                            for bn, kw, w, st in itertools.product((64, 128, 256), (16, 32), (4, 8), (3, 4))]
@@ -283,6 +288,12 @@ def main() -> None:
     print_diag(rows)
     if args.one_tile:
         print_one_tile(rows)
+    if args.sweep_b16_nosplit:
+        for r in rows:
+            b16 = sorted((tr for tr in r["trials"] if tr["rows"] == 16 and tr["kernel"] == "w4"), key=lambda tr: tr["us"])
+            tuned = next(tr for tr in r["trials"] if tr["rows"] == 16 and tr["kernel"] == "w4")
+            print(f"{r['shape']:<12} b16 tuned {tuned['us']:.1f} us, best three: " + ", ".join(
+                f"{tr['us']:.1f} {tr['cfg']}" for tr in b16[:3]) + f"; b1 {r['w4_t1_us']:.1f}")
     if args.sweep_nosplit:
         for r in rows:
             one = [tr for tr in r["trials"] if tr["rows"] == 1 and tr["kernel"] == "w4"]
