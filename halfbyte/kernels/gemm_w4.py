@@ -133,22 +133,14 @@ if HAS_TRITON:
                 uw = words.to(tl.uint32, bitcast=True)
                 w0, w1, w2, w3 = _plane(uw, 0, s, m8), _plane(uw, 1, s, m8), _plane(uw, 2, s, m8), _plane(uw, 3, s, m8)
                 w4, w5, w6, w7 = _plane(uw, 4, s, m8), _plane(uw, 5, s, m8), _plane(uw, 6, s, m8), _plane(uw, 7, s, m8)
-            if DIAG == 4:
-                pass
-            elif DIAG == 3:
+            if DIAG == 3:
                 wsum += (w0 + w1 + w2 + w3).to(tl.float32) + (w4 + w5 + w6 + w7).to(tl.float32)
-            elif DIAG == 2:
-                xc = (tl.zeros([BLOCK_M, BLOCK_KW], dtype=tl.float32) + (k0 % 7)).to(tl.float16)
-                acc = tl.dot(xc, w0, acc)
-                acc = tl.dot(xc, w1, acc)
-                acc = tl.dot(xc, w2, acc)
-                acc = tl.dot(xc, w3, acc)
-                acc = tl.dot(xc, w4, acc)
-                acc = tl.dot(xc, w5, acc)
-                acc = tl.dot(xc, w6, acc)
-                acc = tl.dot(xc, w7, acc)
-            elif X_SPLIT:  # xp_ptr is x itself
-                x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(xp_ptr, rm, k0, K, x_mask, BLOCK_M, BLOCK_KW)
+            elif DIAG == 2 or (DIAG < 2 and X_SPLIT):  # xp_ptr is x itself
+                if DIAG == 2:  # one plane made in registers stands for all eight
+                    xc = (tl.zeros([BLOCK_M, BLOCK_KW], dtype=tl.float32) + (k0 % 7)).to(tl.float16)
+                    x0, x1, x2, x3, x4, x5, x6, x7 = xc, xc, xc, xc, xc, xc, xc, xc
+                else:
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(xp_ptr, rm, k0, K, x_mask, BLOCK_M, BLOCK_KW)
                 acc = tl.dot(x0, w0, acc)
                 acc = tl.dot(x1, w1, acc)
                 acc = tl.dot(x2, w2, acc)
@@ -157,7 +149,7 @@ if HAS_TRITON:
                 acc = tl.dot(x5, w5, acc)
                 acc = tl.dot(x6, w6, acc)
                 acc = tl.dot(x7, w7, acc)
-            else:
+            elif DIAG < 2:
                 x_offs = rm[:, None] * K + k0 + rw[None, :]
                 acc = _acc_plane(acc, w0, xp_ptr, x_offs, x_mask, 0, BLOCK_KW)
                 acc = _acc_plane(acc, w1, xp_ptr, x_offs, x_mask, 1, BLOCK_KW)
