@@ -133,8 +133,6 @@ def main() -> None:
                     "program over the whole K, as one tile (one_tile) or two")
     ap.add_argument("--sweep-b16-nosplit", action="store_true",
                     help="16 rows: gemm_w4 tiles of 16-64 columns with no or a 2-way K split (no or a small combine)")
-    ap.add_argument("--prefetch", action="store_true",
-                    help="one row: gemv_w4 with the next tile requested before this one's math (volatile loads), beside the tuned entry")
     ap.add_argument("--b16-one-tile", action="store_true",
                     help="16 rows: gemm_w4 with one tile per split read before the PDL wait, beside the tuned entry")
     ap.add_argument("--diag", action="store_true",
@@ -216,9 +214,6 @@ def main() -> None:
                           for bn, kw, w, pr in ONE_TILE_CONFIGS for one in (False, True)]
             if args.sweep_nosplit:
                 grid1 += nosplit_configs(k)
-            if args.prefetch:  # paired loops only; the same tiles without it for the same-call comparison
-                grid1 += [dict(block_n=bn, block_kw=kw, num_warps=w, split_k=sk, pair_rows=True, prefetch=pf)
-                          for (bn, kw, w), sk, pf in itertools.product(((64, 32, 4), (64, 64, 8), (128, 32, 8)), (None, 8), (False, True))]
             grid16 = list(grid_m)
             if args.sweep_b16:
                 grid16 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st) for bn, kw, sk, st, w in
@@ -304,14 +299,6 @@ def main() -> None:
             tuned = next(tr for tr in r["trials"] if tr["rows"] == 16 and tr["kernel"] == "w4")
             print(f"{r['shape']:<12} b16 tuned {tuned['us']:.1f} us, best three: " + ", ".join(
                 f"{tr['us']:.1f} {tr['cfg']}" for tr in b16[:3]) + f"; b1 {r['w4_t1_us']:.1f}")
-    if args.prefetch:
-        for r in rows:
-            one = [tr for tr in r["trials"] if tr["rows"] == 1 and tr["kernel"] == "w4" and "prefetch" in tr["cfg"]]
-            tuned = next(tr for tr in r["trials"] if tr["rows"] == 1 and tr["kernel"] == "w4")
-            print(f"{r['shape']:<12} b1 tuned {tuned['us']:.1f} us; without -> with prefetch: " + ", ".join(
-                f"{a['cfg']['block_n']}x{a['cfg']['block_kw']}x{a['cfg']['num_warps']} s{a['cfg']['split_k']} {a['us']:.1f}->{b['us']:.1f}"
-                for a in one if not a["cfg"]["prefetch"] for b in one
-                if b["cfg"]["prefetch"] and {**b["cfg"], "prefetch": False} == a["cfg"]))
     if args.sweep_nosplit:
         for r in rows:
             one = [tr for tr in r["trials"] if tr["rows"] == 1 and tr["kernel"] == "w4"]

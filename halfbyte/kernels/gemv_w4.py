@@ -83,13 +83,13 @@ if HAS_TRITON:
         return (((uw >> (4 * j)) & 15).to(tl.float32) - 8.0).to(tl.float16)
 
     @triton.jit
-    def _x_pairs(x_ptr, w_row, row_ok, VOLATILE: tl.constexpr = False):
+    def _x_pairs(x_ptr, w_row, row_ok):
         """fp16 x of words w_row as int32 half2 pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7), and their fp32 sum."""
         xw = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + w_row * 4
-        x01 = tl.load(xw, mask=row_ok, other=0, volatile=VOLATILE).to(tl.uint32, bitcast=True)
-        x23 = tl.load(xw + 1, mask=row_ok, other=0, volatile=VOLATILE).to(tl.uint32, bitcast=True)
-        x45 = tl.load(xw + 2, mask=row_ok, other=0, volatile=VOLATILE).to(tl.uint32, bitcast=True)
-        x67 = tl.load(xw + 3, mask=row_ok, other=0, volatile=VOLATILE).to(tl.uint32, bitcast=True)
+        x01 = tl.load(xw, mask=row_ok, other=0).to(tl.uint32, bitcast=True)
+        x23 = tl.load(xw + 1, mask=row_ok, other=0).to(tl.uint32, bitcast=True)
+        x45 = tl.load(xw + 2, mask=row_ok, other=0).to(tl.uint32, bitcast=True)
+        x67 = tl.load(xw + 3, mask=row_ok, other=0).to(tl.uint32, bitcast=True)
         lo = 0xFFFF
         hi = 0xFFFF0000
         p04 = ((x01 & lo) | (x45 << 16)).to(tl.int32, bitcast=True)
@@ -158,16 +158,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
-                       GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
-                       VOLATILE: tl.constexpr = False):
+                       GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
         """acc [KW/2, N] fp32 += one tile's contribution, its even word rows in we, odd in wo: one
         fp32 conversion, scale FMA and min FMA per two words instead of per word."""
         HALF: tl.constexpr = BLOCK_KW // 2
         row_e = k0 // 8 + 2 * tl.arange(0, HALF)
         ok_e = row_e * 8 < k_end
         ok_o = row_e * 8 + 8 < k_end
-        e04, e15, e26, e37, xs_e = _x_pairs(x_ptr, row_e, ok_e, VOLATILE)
-        o04, o15, o26, o37, xs_o = _x_pairs(x_ptr, row_e + 1, ok_o, VOLATILE)
+        e04, e15, e26, e37, xs_e = _x_pairs(x_ptr, row_e, ok_e)
+        o04, o15, o26, o37, xs_o = _x_pairs(x_ptr, row_e + 1, ok_o)
         if USE_ASM:
             dots = pair_asm(DOT16_ASM, we, wo, e04, e15, e26, e37, o04, o15, o26, o37)
         else:
@@ -182,10 +181,10 @@ if HAS_TRITON:
                            GROUP, BLOCK_KW * 8)
 
     @triton.jit
-    def _load_rows(qw_ptr, w_row, k_end, N, rn, n_mask, VOLATILE: tl.constexpr = False):
+    def _load_rows(qw_ptr, w_row, k_end, N, rn, n_mask):
         """Words of rows w_row x columns rn; rows at or past k_end (and columns past N) read 0, no traffic."""
         mask = (w_row * 8 < k_end)[:, None] & n_mask[None, :]
-        return tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=mask, other=0, volatile=VOLATILE)
+        return tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=mask, other=0)
 
     @triton.jit
     def _load_words(qw_ptr, k0, k_end, N, rn, n_mask, BLOCK_KW: tl.constexpr):
@@ -198,7 +197,7 @@ if HAS_TRITON:
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
         PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, DIAG: tl.constexpr,
-        ONE_TILE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+        ONE_TILE: tl.constexpr = False,
     ):
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
@@ -228,24 +227,13 @@ if HAS_TRITON:
                                          GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
             else:
                 for k0 in range(k_start, k_end, BLOCK_K):
-                    if PREFETCH:  # the next tile requested first; volatile keeps it before x's loads
-                        we_next = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even, k_end, N, rn, n_mask, True)
-                        wo_next = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even + 1, k_end, N, rn, n_mask, True)
-                        if DIAG == 2:
-                            seen ^= we ^ wo
-                        else:
-                            acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
-                                                 GROUP, BLOCK_KW, BLOCK_N, USE_ASM, True)
-                        we = we_next
-                        wo = wo_next
+                    if DIAG == 2:  # loads only
+                        seen ^= we ^ wo
                     else:
-                        if DIAG == 2:  # loads only
-                            seen ^= we ^ wo
-                        else:
-                            acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
-                                                 GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
-                        we = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even, k_end, N, rn, n_mask)
-                        wo = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even + 1, k_end, N, rn, n_mask)
+                        acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
+                                             GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
+                    we = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even, k_end, N, rn, n_mask)
+                    wo = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even + 1, k_end, N, rn, n_mask)
         else:
             words = _load_words(qw_ptr, k_start, k_end, N, rn, n_mask, BLOCK_KW)
             pdl_sync(PDL)
@@ -326,7 +314,7 @@ def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
-    one_tile: bool | None = None, prefetch: bool = False, _diag: int = 0,
+    one_tile: bool | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
     one_tile: each program's split is one tile, compiled without the loop (None: where the split is
@@ -362,7 +350,7 @@ def gemv_w4(
     _gemv_w4_m1_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
         GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows, USE_ASM=_use_asm(),
-        DIAG=_diag, ONE_TILE=one_tile, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
+        DIAG=_diag, ONE_TILE=one_tile, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
     return out
 
