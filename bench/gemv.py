@@ -133,8 +133,6 @@ def main() -> None:
                     "program over the whole K, as one tile (one_tile) or two")
     ap.add_argument("--sweep-b16-nosplit", action="store_true",
                     help="16 rows: gemm_w4 tiles of 16-64 columns with no or a 2-way K split (no or a small combine)")
-    ap.add_argument("--b16-one-tile", action="store_true",
-                    help="16 rows: gemm_w4 with one tile per split read before the PDL wait, beside the tuned entry")
     ap.add_argument("--diag", action="store_true",
                     help="one row, the best config again without the split-K combine, and without the arithmetic "
                     "too (gemv_w4 _diag 1 / 2: timing only, wrong outputs): what each costs")
@@ -221,9 +219,6 @@ def main() -> None:
             if args.sweep_b16_nosplit:  # the split-K combine of 16 rows costs 1.7-5.7 us (--diag)
                 grid16 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st) for bn, kw, sk, w, st in
                            itertools.product((16, 32, 64), (16, 32, 64), (1, 2), (2, 4), (2, 4)) if sk == 1 or bn > 16]
-            if args.b16_one_tile:  # the split sized to one tile of block_kw words
-                grid16 += [dict(block_n=bn, block_kw=kw, num_warps=w, split_k=-(-k // (8 * kw)), one_tile=True)
-                           for bn, kw, w in B16_ONE_TILE_CONFIGS if k % (8 * kw) == 0 and k // (8 * kw) <= 32]
             if args.sweep or args.sweep_rows:
                 grid_m += [dict(block_n=bn, block_kw=kw, num_warps=w, num_stages=st)
                            for bn, kw, w, st in itertools.product((64, 128, 256), (16, 32), (4, 8), (3, 4))]
@@ -293,7 +288,7 @@ def main() -> None:
     print_diag(rows)
     if args.one_tile:
         print_one_tile(rows)
-    if args.sweep_b16_nosplit or args.b16_one_tile:
+    if args.sweep_b16_nosplit:
         for r in rows:
             b16 = sorted((tr for tr in r["trials"] if tr["rows"] == 16 and tr["kernel"] == "w4"), key=lambda tr: tr["us"])
             tuned = next(tr for tr in r["trials"] if tr["rows"] == 16 and tr["kernel"] == "w4")
@@ -306,10 +301,6 @@ def main() -> None:
             print(f"{r['shape']:<12} b1 tuned {one[0]['us']:.1f} us; no split, best three: " + ", ".join(
                 f"{tr['us']:.1f} {tr['cfg']}" for tr in ns[:3]))
 
-
-# (block_n, block_kw, warps) for --b16-one-tile: registers (sm_90, 16 rows, offline): 64x16x4 64,
-# 64x32x4 124, 32x64x4 128, 64x64x8 127, 128x32x4 206
-B16_ONE_TILE_CONFIGS = [(64, 16, 4), (32, 32, 4), (64, 32, 4), (32, 64, 4), (64, 64, 8), (128, 32, 4)]
 
 # (block_n, block_kw, warps, pair_rows) for --one-tile: registers with / without the loop (sm_90,
 # bench/kernel_sass.py ...,o): 64x64x4 128 / 80, 64x64x8 pairs 59 / 40, 64x32x4 pairs 56 / 40,

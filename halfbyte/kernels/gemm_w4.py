@@ -81,83 +81,20 @@ if HAS_TRITON:
         return x0, x1, x2, x3, x4, x5, x6, x7
 
     @triton.jit
-    def _load_tile(qw_ptr, scales_ptr, mins_ptr, k0, N, rn, n_mask, rw, GROUP: tl.constexpr, T: tl.constexpr):
-        """The tile of words from k0 [KW, BLOCK_N], its scales s and m + 8 s (fp16)."""
-        w_row = k0 // 8 + rw
-        words = tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=n_mask[None, :], other=0)
-        if GROUP % T == 0:  # one group per tile: one scale row
-            offs = (k0 // GROUP) * N + rn[None, :]
-            smask = n_mask[None, :]
-        else:  # a word's 8 values share a group (GROUP % 8 == 0); its row picks it
-            offs = ((w_row * 8) // GROUP * N)[:, None] + rn[None, :]
-            smask = n_mask[None, :] & (rw >= 0)[:, None]
-        s = tl.load(scales_ptr + offs, mask=smask, other=0.0)
-        m8 = (tl.load(mins_ptr + offs, mask=smask, other=0.0).to(tl.float32) + 8.0 * s.to(tl.float32)).to(tl.float16)
-        return words, s, m8
-
-    @triton.jit
-    def _tile_dots(acc, seen, wsum, words, s, m8, xp_ptr, rm, k0, K, x_mask, rw,
-                   BLOCK_M: tl.constexpr, BLOCK_KW: tl.constexpr, USE_ASM: tl.constexpr, X_SPLIT: tl.constexpr,
-                   DIAG: tl.constexpr):
-        """acc [BLOCK_M, BLOCK_N] += x's tile from k0 times the dequantized words (seen, wsum: DIAG 3 / 4)."""
-        if DIAG == 4:
-            seen ^= words
-        elif USE_ASM:
-            w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
-                UNPACK8_DEQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-                [words, tl.broadcast_to(_half2(s), words.shape), tl.broadcast_to(_half2(m8), words.shape)],
-                dtype=(tl.float16,) * 8, is_pure=True, pack=1,
-            )
-        else:
-            uw = words.to(tl.uint32, bitcast=True)
-            w0, w1, w2, w3 = _plane(uw, 0, s, m8), _plane(uw, 1, s, m8), _plane(uw, 2, s, m8), _plane(uw, 3, s, m8)
-            w4, w5, w6, w7 = _plane(uw, 4, s, m8), _plane(uw, 5, s, m8), _plane(uw, 6, s, m8), _plane(uw, 7, s, m8)
-        if DIAG == 3:
-            wsum += (w0 + w1 + w2 + w3).to(tl.float32) + (w4 + w5 + w6 + w7).to(tl.float32)
-        elif DIAG == 2 or (DIAG < 2 and X_SPLIT):  # xp_ptr is x itself
-            if DIAG == 2:  # one plane made in registers stands for all eight
-                xc = (tl.zeros([BLOCK_M, BLOCK_KW], dtype=tl.float32) + (k0 % 7)).to(tl.float16)
-                x0, x1, x2, x3, x4, x5, x6, x7 = xc, xc, xc, xc, xc, xc, xc, xc
-            else:
-                x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(xp_ptr, rm, k0, K, x_mask, BLOCK_M, BLOCK_KW)
-            acc = tl.dot(x0, w0, acc)
-            acc = tl.dot(x1, w1, acc)
-            acc = tl.dot(x2, w2, acc)
-            acc = tl.dot(x3, w3, acc)
-            acc = tl.dot(x4, w4, acc)
-            acc = tl.dot(x5, w5, acc)
-            acc = tl.dot(x6, w6, acc)
-            acc = tl.dot(x7, w7, acc)
-        elif DIAG < 2:
-            x_offs = rm[:, None] * K + k0 + rw[None, :]
-            acc = _acc_plane(acc, w0, xp_ptr, x_offs, x_mask, 0, BLOCK_KW)
-            acc = _acc_plane(acc, w1, xp_ptr, x_offs, x_mask, 1, BLOCK_KW)
-            acc = _acc_plane(acc, w2, xp_ptr, x_offs, x_mask, 2, BLOCK_KW)
-            acc = _acc_plane(acc, w3, xp_ptr, x_offs, x_mask, 3, BLOCK_KW)
-            acc = _acc_plane(acc, w4, xp_ptr, x_offs, x_mask, 4, BLOCK_KW)
-            acc = _acc_plane(acc, w5, xp_ptr, x_offs, x_mask, 5, BLOCK_KW)
-            acc = _acc_plane(acc, w6, xp_ptr, x_offs, x_mask, 6, BLOCK_KW)
-            acc = _acc_plane(acc, w7, xp_ptr, x_offs, x_mask, 7, BLOCK_KW)
-        return acc, seen, wsum
-
-    @triton.jit
     def _gemm_w4_kernel(
         xp_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         M, N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
         SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, X_SPLIT: tl.constexpr, PDL: tl.constexpr,
-        DIAG: tl.constexpr = 0, ONE_TILE: tl.constexpr = False,
+        DIAG: tl.constexpr = 0,
     ):
+        pdl_sync(PDL)
         # out = x W^T, the weight tile as the dot's second operand: on sm_90 Triton 3.6 lowers it to
         # mma.sync with the words staged by cp.async and dequantized in the operand's registers.
         # The weight as first operand (wgmma from registers, x's planes through shared memory)
         # compiles too but ran 1.3-1.6x slower at 16 rows (H100, BENCHMARKS.md, eighteenth session).
         # DIAG (bench/gemv.py --diag, timing only): 1 no split-K combine, 2 also x's planes made in
         # registers instead of loaded, 3 dequantization without the dots, 4 the weight loads only.
-        # ONE_TILE (k_per_split == 8 * BLOCK_KW): no loop; the tile is read before the PDL wait, as
-        # gemv_w4 reads its first tile, so its DRAM round trip overlaps the previous kernel's tail.
-        if not ONE_TILE:
-            pdl_sync(PDL)
         T: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -173,16 +110,55 @@ if HAS_TRITON:
         seen = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.int32)  # DIAG 3 / 4 only
         wsum = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
         x_mask = m_mask[:, None]
-        if ONE_TILE:
-            words, s, m8 = _load_tile(qw_ptr, scales_ptr, mins_ptr, k_start, N, rn, n_mask, rw, GROUP, T)
-            pdl_sync(PDL)
-            acc, seen, wsum = _tile_dots(acc, seen, wsum, words, s, m8, xp_ptr, rm, k_start, K, x_mask, rw,
-                                         BLOCK_M, BLOCK_KW, USE_ASM, X_SPLIT, DIAG)
-        else:
-            for k0 in range(k_start, k_end, T):  # k_per_split is a whole number of tiles; K too
-                words, s, m8 = _load_tile(qw_ptr, scales_ptr, mins_ptr, k0, N, rn, n_mask, rw, GROUP, T)
-                acc, seen, wsum = _tile_dots(acc, seen, wsum, words, s, m8, xp_ptr, rm, k0, K, x_mask, rw,
-                                             BLOCK_M, BLOCK_KW, USE_ASM, X_SPLIT, DIAG)
+        for k0 in range(k_start, k_end, T):  # k_per_split is a whole number of tiles; K too
+            w_row = k0 // 8 + rw
+            words = tl.load(qw_ptr + (w_row * N)[:, None] + rn[None, :], mask=n_mask[None, :], other=0)
+            if GROUP % T == 0:  # one group per tile: one scale row
+                offs = (k0 // GROUP) * N + rn[None, :]
+                smask = n_mask[None, :]
+            else:  # a word's 8 values share a group (GROUP % 8 == 0); its row picks it
+                offs = ((w_row * 8) // GROUP * N)[:, None] + rn[None, :]
+                smask = n_mask[None, :] & (rw >= 0)[:, None]
+            s = tl.load(scales_ptr + offs, mask=smask, other=0.0)
+            m8 = (tl.load(mins_ptr + offs, mask=smask, other=0.0).to(tl.float32) + 8.0 * s.to(tl.float32)).to(tl.float16)
+            if DIAG == 4:
+                seen ^= words
+            elif USE_ASM:
+                w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                    UNPACK8_DEQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+                    [words, tl.broadcast_to(_half2(s), words.shape), tl.broadcast_to(_half2(m8), words.shape)],
+                    dtype=(tl.float16,) * 8, is_pure=True, pack=1,
+                )
+            else:
+                uw = words.to(tl.uint32, bitcast=True)
+                w0, w1, w2, w3 = _plane(uw, 0, s, m8), _plane(uw, 1, s, m8), _plane(uw, 2, s, m8), _plane(uw, 3, s, m8)
+                w4, w5, w6, w7 = _plane(uw, 4, s, m8), _plane(uw, 5, s, m8), _plane(uw, 6, s, m8), _plane(uw, 7, s, m8)
+            if DIAG == 3:
+                wsum += (w0 + w1 + w2 + w3).to(tl.float32) + (w4 + w5 + w6 + w7).to(tl.float32)
+            elif DIAG == 2 or (DIAG < 2 and X_SPLIT):  # xp_ptr is x itself
+                if DIAG == 2:  # one plane made in registers stands for all eight
+                    xc = (tl.zeros([BLOCK_M, BLOCK_KW], dtype=tl.float32) + (k0 % 7)).to(tl.float16)
+                    x0, x1, x2, x3, x4, x5, x6, x7 = xc, xc, xc, xc, xc, xc, xc, xc
+                else:
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(xp_ptr, rm, k0, K, x_mask, BLOCK_M, BLOCK_KW)
+                acc = tl.dot(x0, w0, acc)
+                acc = tl.dot(x1, w1, acc)
+                acc = tl.dot(x2, w2, acc)
+                acc = tl.dot(x3, w3, acc)
+                acc = tl.dot(x4, w4, acc)
+                acc = tl.dot(x5, w5, acc)
+                acc = tl.dot(x6, w6, acc)
+                acc = tl.dot(x7, w7, acc)
+            elif DIAG < 2:
+                x_offs = rm[:, None] * K + k0 + rw[None, :]
+                acc = _acc_plane(acc, w0, xp_ptr, x_offs, x_mask, 0, BLOCK_KW)
+                acc = _acc_plane(acc, w1, xp_ptr, x_offs, x_mask, 1, BLOCK_KW)
+                acc = _acc_plane(acc, w2, xp_ptr, x_offs, x_mask, 2, BLOCK_KW)
+                acc = _acc_plane(acc, w3, xp_ptr, x_offs, x_mask, 3, BLOCK_KW)
+                acc = _acc_plane(acc, w4, xp_ptr, x_offs, x_mask, 4, BLOCK_KW)
+                acc = _acc_plane(acc, w5, xp_ptr, x_offs, x_mask, 5, BLOCK_KW)
+                acc = _acc_plane(acc, w6, xp_ptr, x_offs, x_mask, 6, BLOCK_KW)
+                acc = _acc_plane(acc, w7, xp_ptr, x_offs, x_mask, 7, BLOCK_KW)
         if DIAG >= 3:
             acc += (tl.sum(wsum, axis=0) + tl.sum(seen, axis=0).to(tl.float32))[None, :]
         # one split-K counter per output tile
@@ -235,13 +211,12 @@ def gemm_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, block_m: int | None = None,
-    x_split: bool | None = None, one_tile: bool = False, _diag: int = 0,
+    x_split: bool | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [2 <= M <= 64, K] fp16 -> [M, N] fp16. block_m < M splits the rows over programs
     (more programs, each weight tile read once per row block, mostly from L2). x_split: split x's
     tiles into value planes in the kernel instead of permuting x first (one launch less per
-    call; default X_SPLIT, HALFBYTE_GEMM_X=permute|split). one_tile: each program's split is one
-    tile, read before the PDL wait (split_k must make it so). _diag: bench/gemv.py --diag only (the
+    call; default X_SPLIT, HALFBYTE_GEMM_X=permute|split). _diag: bench/gemv.py --diag only (the
     output is then wrong; see the kernel)."""
     m, k = x.shape
     if not supports(x, 4, group_size):
@@ -264,12 +239,10 @@ def gemm_w4(
     row_blocks = triton.cdiv(m, block_m)
     col_blocks = triton.cdiv(n, block_n)
     split_k, k_per_split, out, partial, counters = split_k_launch(x, n, 8 * block_kw, col_blocks * row_blocks, split_k)
-    if one_tile and k_per_split != 8 * block_kw:
-        raise ValueError(f"gemm_w4: one_tile needs a split of one tile, got {k_per_split} k per split, block_kw {block_kw}")
     _gemm_w4_kernel[(col_blocks, split_k, row_blocks)](
         xp, qweight, scales, mins, out, partial, counters, m, n, k, k_per_split,
         GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
-        USE_ASM=_use_asm(), X_SPLIT=x_split, DIAG=_diag, ONE_TILE=one_tile, num_warps=num_warps, num_stages=num_stages,
+        USE_ASM=_use_asm(), X_SPLIT=x_split, DIAG=_diag, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(x.device),
     )
     return out
