@@ -113,6 +113,23 @@ def profile_batch(model, batch: int, context: int, steps: int = 3) -> None:  # t
     del decoder, pool
 
 
+def add_extra_launches(model, n: int) -> None:  # type: ignore[no-untyped-def]
+    """After every layer's MLP, n launches of the SiLU-mul kernel on a dummy row (result unused)."""
+    from halfbyte.kernels.activation import silu_and_mul_triton
+    from halfbyte.model import llama
+
+    dummy = torch.randn(1, 2 * model.cfg.hidden_size, device=model.device, dtype=torch.float16)
+    mlp_forward = llama.MLP.forward
+
+    def forward(self, x, x_planes=None):  # type: ignore[no-untyped-def]
+        y = mlp_forward(self, x, x_planes)
+        for _ in range(n):
+            silu_and_mul_triton(dummy)
+        return y
+
+    llama.MLP.forward = forward  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama3-8b")
@@ -124,11 +141,16 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print where prefill and eager decode spend GPU time")
     ap.add_argument("--profile-batch", type=int, default=0, help="only profile eager decode at this batch size")
     ap.add_argument("--context", type=int, default=512, help="context of --profile-batch")
+    ap.add_argument("--extra-launches", type=int, default=0,
+                    help="diagnostic: N more small kernels per layer (SiLU-mul of a dummy 8,192-value row, PDL, "
+                    "in the chain): what one launch of a fused-away kernel costs the step")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # GPU.md: cuDNN SDPA costs ~2 ms of CPU per call
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = random_model(args.shape, args.bits, args.group, torch.float16, dev, head_bits=args.head_bits)
+    if args.extra_launches:
+        add_extra_launches(model, args.extra_launches)
     if args.profile_batch:
         with torch.inference_mode():
             profile_batch(model, args.profile_batch, args.context)
