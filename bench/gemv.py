@@ -133,8 +133,6 @@ def main() -> None:
                     "program over the whole K, as one tile (one_tile) or two")
     ap.add_argument("--sweep-b16-nosplit", action="store_true",
                     help="16 rows: gemm_w4 tiles of 16-64 columns with no or a 2-way K split (no or a small combine)")
-    ap.add_argument("--blocked", action="store_true",
-                    help="one row: the tuned gemv_w4 on words repacked column block by column block (each block one run)")
     ap.add_argument("--diag", action="store_true",
                     help="one row, the best config again without the split-K combine, and without the arithmetic "
                     "too (gemv_w4 _diag 1 / 2: timing only, wrong outputs): what each costs")
@@ -240,16 +238,6 @@ def main() -> None:
                     rotated_time(lambda q, s_, m_, d=d: new(x1, q, s_, m_, **cfg, _diag=d), copies) * 1e6 for d in (1, 2)]
                 row["diag16_us"] = [w16 * 1e6] + [
                     rotated_time(lambda q, s_, m_, d=d: mma(x16, q, s_, m_, **cfg16, _diag=d), copies) * 1e6 for d in (1, 2, 3, 4)]
-            if args.blocked:  # same config, words as [N / block_n, K / 8, block_n]; full and loads only
-                bn = cfg.get("block_n") or gemv_w4._M1_TUNED[(n, k)][0]
-                bcopies = [(q.view(k // 8, n // bn, bn).permute(1, 0, 2).contiguous().view(k // 8, n), s_, m_)
-                           for q, s_, m_ in copies]
-                berr = ((new(x1, *bcopies[0], **cfg, blocked=True).float() - ref1).norm() / ref1.norm()).item()
-                assert berr <= 1e-3, f"{name} blocked: rel err {berr:.2e}"
-                row["blocked_us"] = [w1 * 1e6, rotated_time(lambda q, s_, m_: new(x1, q, s_, m_, **cfg, blocked=True), bcopies) * 1e6,
-                                     rotated_time(lambda q, s_, m_: new(x1, q, s_, m_, **cfg, _diag=2), copies) * 1e6,
-                                     rotated_time(lambda q, s_, m_: new(x1, q, s_, m_, **cfg, blocked=True, _diag=2), bcopies) * 1e6]
-                del bcopies
             # the other way to feed x's value planes (gemm_w4.x_split_default), same configs, same run
             split16, split64 = gemm_w4.x_split_default(n, k, 16), gemm_w4.x_split_default(n, k, 64)
             alt16 = pick(mma, [{**cfg16, "x_split": not split16}], x16, ref16)
@@ -298,10 +286,6 @@ def main() -> None:
         f"b64 {'SP'[not r['x_split64']]} {r['w4_t64_us']:.1f}->{r['w4_t64_other_us'] or float('nan'):.1f} us"
         for r in rows if "w4_t16_other_us" in r))
     print_diag(rows)
-    if args.blocked:
-        print("gemv_w4 b1, tuned config, row-major -> column-block words, full / loads only (us): " + ", ".join(
-            f"{r['shape']} {r['blocked_us'][0]:.1f}->{r['blocked_us'][1]:.1f} / {r['blocked_us'][2]:.1f}->{r['blocked_us'][3]:.1f}"
-            for r in rows if "blocked_us" in r))
     if args.one_tile:
         print_one_tile(rows)
     if args.sweep_b16_nosplit:

@@ -197,7 +197,7 @@ if HAS_TRITON:
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
         PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, DIAG: tl.constexpr,
-        ONE_TILE: tl.constexpr = False, BLOCKED: tl.constexpr = False,
+        ONE_TILE: tl.constexpr = False,
     ):
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
@@ -206,13 +206,6 @@ if HAS_TRITON:
         n_mask = rn < N
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
-        if BLOCKED:  # (experiment) words as [N / BLOCK_N, K / 8, BLOCK_N]: a column block's words are one run
-            qw_ptr += pid_n.to(tl.int64) * (K // 8) * BLOCK_N
-            w_stride = BLOCK_N
-            w_cols = tl.arange(0, BLOCK_N)
-        else:
-            w_stride = N
-            w_cols = rn
         # The weights never change, so the first tile is read before waiting for the previous
         # kernel (PDL): its DRAM round trip overlaps that kernel's tail. Small matrices (8B qkv,
         # o) are one or two tiles per program, so most of their bytes move during the wait.
@@ -221,8 +214,8 @@ if HAS_TRITON:
         # live (offline sm_90: 32 x 512 paired 128 -> 174 registers, 8 x 512 x 4 warps 78 -> 168).
         if PAIR_ROWS:  # even and odd word rows as two tiles of one layout: a thread holds both
             even = 2 * tl.arange(0, BLOCK_KW // 2)
-            we = _load_rows(qw_ptr, k_start // 8 + even, k_end, w_stride, w_cols, n_mask)
-            wo = _load_rows(qw_ptr, k_start // 8 + even + 1, k_end, w_stride, w_cols, n_mask)
+            we = _load_rows(qw_ptr, k_start // 8 + even, k_end, N, rn, n_mask)
+            wo = _load_rows(qw_ptr, k_start // 8 + even + 1, k_end, N, rn, n_mask)
             pdl_sync(PDL)
             acc = tl.zeros([BLOCK_KW // 2, BLOCK_N], dtype=tl.float32)
             seen = tl.zeros([BLOCK_KW // 2, BLOCK_N], dtype=tl.int32)
@@ -239,10 +232,10 @@ if HAS_TRITON:
                     else:
                         acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
                                              GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
-                    we = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even, k_end, w_stride, w_cols, n_mask)
-                    wo = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even + 1, k_end, w_stride, w_cols, n_mask)
+                    we = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even, k_end, N, rn, n_mask)
+                    wo = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even + 1, k_end, N, rn, n_mask)
         else:
-            words = _load_words(qw_ptr, k_start, k_end, w_stride, w_cols, n_mask, BLOCK_KW)
+            words = _load_words(qw_ptr, k_start, k_end, N, rn, n_mask, BLOCK_KW)
             pdl_sync(PDL)
             acc = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
             seen = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.int32)
@@ -262,7 +255,7 @@ if HAS_TRITON:
                     # the next tile (past k_end fully masked: no traffic), requested after this one's
                     # reduction in program order; loading it at the top of the loop instead ran 70B qkv
                     # in 21.7 us instead of 16.2 (H200, BENCHMARKS.md)
-                    words = _load_words(qw_ptr, k0 + BLOCK_K, k_end, w_stride, w_cols, n_mask, BLOCK_KW)
+                    words = _load_words(qw_ptr, k0 + BLOCK_K, k_end, N, rn, n_mask, BLOCK_KW)
         if DIAG == 2:
             acc += seen.to(tl.float32)
         total = tl.sum(acc, axis=0)[None, :]
@@ -321,7 +314,7 @@ def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
-    one_tile: bool | None = None, blocked: bool = False, _diag: int = 0,
+    one_tile: bool | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
     one_tile: each program's split is one tile, compiled without the loop (None: where the split is
@@ -357,7 +350,7 @@ def gemv_w4(
     _gemv_w4_m1_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
         GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows, USE_ASM=_use_asm(),
-        DIAG=_diag, ONE_TILE=one_tile, BLOCKED=blocked, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
+        DIAG=_diag, ONE_TILE=one_tile, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
     return out
 
