@@ -19,26 +19,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 @pytest.fixture
 def pdl_env(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    def set_pdl(mode: str) -> None:
-        monkeypatch.setenv("HALFBYTE_PDL", mode)
-        triton_utils._pdl_mode.cache_clear()
+    def set_pdl(on: bool) -> None:
+        monkeypatch.setenv("HALFBYTE_PDL", "1" if on else "0")
+        triton_utils._pdl_on.cache_clear()
 
     yield set_pdl
     monkeypatch.undo()
-    triton_utils._pdl_mode.cache_clear()
+    triton_utils._pdl_on.cache_clear()
 
 
 def test_pdl_is_never_asked_of_the_cpu_or_when_turned_off(pdl_env) -> None:  # type: ignore[no-untyped-def]
     assert pdl_args(torch.device("cpu")) == {"PDL": False}
-    pdl_env("0")
+    pdl_env(False)
     if torch.cuda.is_available():
         assert pdl_args(torch.device("cuda")) == {"PDL": False}
-
-
-def test_an_unknown_pdl_mode_is_refused(pdl_env) -> None:  # type: ignore[no-untyped-def]
-    pdl_env("late")
-    with pytest.raises(ValueError, match="HALFBYTE_PDL='late'"):
-        triton_utils._pdl_mode(0)
 
 
 def _graphed_decode_logits(batch: int, steps: int) -> torch.Tensor:
@@ -66,14 +60,13 @@ def _graphed_decode_logits(batch: int, steps: int) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("mode", ["1", "early"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_graphed_decode_is_the_same_with_and_without_pdl(pdl_env, batch: int, mode: str) -> None:  # type: ignore[no-untyped-def]
-    pdl_env(mode)
+def test_graphed_decode_is_the_same_with_and_without_pdl(pdl_env, batch: int) -> None:  # type: ignore[no-untyped-def]
+    pdl_env(True)
     if not pdl_args(torch.device("cuda"))["PDL"]:
         pytest.skip("not run: this GPU or Triton has no programmatic dependent launch")
     with_pdl = _graphed_decode_logits(batch, 24)
-    pdl_env("0")
+    pdl_env(False)
     without = _graphed_decode_logits(batch, 24)
     assert torch.isfinite(without).all()
     assert torch.equal(with_pdl, without)

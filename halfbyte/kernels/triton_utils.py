@@ -33,31 +33,20 @@ def _triton_has_pdl() -> bool:
         return False
 
 
-PDL_MODES = {"0": 0, "1": 1, "early": 2}
-
-
 @functools.cache
-def _pdl_mode(device_index: int) -> int:
-    """0 off, 1 wait then trigger (the default), 2 trigger then wait (HALFBYTE_PDL=early)."""
-    mode = os.environ.get("HALFBYTE_PDL", "1")
-    if mode not in PDL_MODES:
-        raise ValueError(f"HALFBYTE_PDL={mode!r}: expected one of {', '.join(PDL_MODES)}")
-    if PDL_MODES[mode] == 0 or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return 0
-    has = torch.cuda.get_device_capability(device_index)[0] >= 9 and _triton_has_pdl()
-    return PDL_MODES[mode] if has else 0
+def _pdl_on(device_index: int) -> bool:
+    if os.environ.get("HALFBYTE_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9 and _triton_has_pdl()
 
 
 def pdl_args(device: torch.device) -> dict[str, Any]:
     """Launch arguments for programmatic dependent launch (Hopper and later): a kernel launched
     with them may start while the previous kernel on the stream finishes, and waits for it in
     `pdl_sync` before touching memory. In a decode step of ~330 small launches this hides the
-    launch gap and the ramp-up of each kernel. HALFBYTE_PDL=0 turns it off; HALFBYTE_PDL=early lets
-    the next kernel launch before this one's wait (see pdl_sync)."""
-    if device.type == "cuda":
-        mode = _pdl_mode(device.index if device.index is not None else torch.cuda.current_device())
-        if mode:
-            return {"PDL": mode, "launch_pdl": True}
+    launch gap and the ramp-up of each kernel. HALFBYTE_PDL=0 turns it off."""
+    if device.type == "cuda" and _pdl_on(device.index if device.index is not None else torch.cuda.current_device()):
+        return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 
 
@@ -68,15 +57,8 @@ if HAS_TRITON:
         """First statement of every kernel launched with pdl_args, before any load or store, in
         every program: wait until the previous kernel finished (its writes visible), then let
         the next kernel launch. Waiting in every program keeps the chain transitive: a kernel
-        cannot finish before the one before it did.
-        PDL == 2 (HALFBYTE_PDL=early) lets the next kernel launch first: its programs then take
-        free SM slots and read their weights while this kernel still waits for its own
-        predecessor. Still safe: this kernel completes only after its wait returned, so the next
-        kernel's wait (for this one) covers every kernel before it too."""
-        if PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        elif PDL:
+        cannot finish before the one before it did."""
+        if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
 
