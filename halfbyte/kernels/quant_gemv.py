@@ -9,8 +9,6 @@ Layout and meaning: docs/format.md; the reference is quant_matmul.quant_matmul_r
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
@@ -27,15 +25,7 @@ def _counter_buffer(device: torch.device, size: int) -> torch.Tensor:
     return buf
 
 
-# Who sums the split-K partials: "last" (default), the split whose counter increment comes last;
-# "wait" (experiment), always the last split, which waits for the count (HALFBYTE_SPLITK_REDUCE).
-_REDUCE_MODES = ("last", "wait")
-_REDUCE = os.environ.get("HALFBYTE_SPLITK_REDUCE", "last")
-if _REDUCE not in _REDUCE_MODES:
-    raise ValueError(f"HALFBYTE_SPLITK_REDUCE={_REDUCE!r}: expected one of {', '.join(_REDUCE_MODES)}")
-
 if HAS_TRITON:
-    WAIT_REDUCE = tl.constexpr(_REDUCE == "wait")
 
     @triton.jit
     def _unpack_tile(qw_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
@@ -64,24 +54,6 @@ if HAS_TRITON:
         offs = rm[:, None] * N + rn[None, :]
         if SPLIT_K == 1:
             tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        elif WAIT_REDUCE and COMBINE:
-            # The last split sums: the others store their partial and count it (release, no
-            # return value to wait for) and exit; the last keeps its own in registers and waits
-            # for the count. Safe to spin: splits 0 .. SPLIT_K - 2 of this tile have lower block
-            # indices, so they were dispatched before this program and run or ran.
-            if pid_k < SPLIT_K - 1:
-                tl.store(partial_ptr + pid_k * M * N + offs, acc, mask=mask)
-                tl.debug_barrier()
-                tl.atomic_add(counter_ptr + pid_n, 1, sem="release")
-            else:
-                seen = tl.atomic_add(counter_ptr + pid_n, 0, sem="acquire")
-                while seen < SPLIT_K - 1:
-                    seen = tl.atomic_add(counter_ptr + pid_n, 0, sem="acquire")
-                total = acc
-                for s in range(SPLIT_K - 1):
-                    total += tl.load(partial_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed")  # next used after this kernel ends
         else:
             tl.store(partial_ptr + pid_k * M * N + offs, acc, mask=mask)
             if COMBINE:
