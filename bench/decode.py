@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--profile-batch", type=int, default=0, help="only profile eager decode at this batch size")
     ap.add_argument("--context", type=int, default=512, help="context of --profile-batch")
     ap.add_argument("--extra-launches", type=int, default=0,
-                    help="diagnostic: N more small kernels per layer (SiLU-mul of a dummy 8,192-value row, PDL, "
+                    help="diagnostic: N more small kernels per layer (SiLU-mul of a dummy row of 2 x hidden values, PDL, "
                     "in the chain): what one launch of a fused-away kernel costs the step")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # GPU.md: cuDNN SDPA costs ~2 ms of CPU per call
