@@ -36,13 +36,13 @@ REGS_PER_SM, THREADS_PER_SM, BLOCKS_PER_SM = 65536, 2048, 32
 
 
 def compile_gemv_w4(block_n: int, block_kw: int, warps: int, group: int = 128,
-                    pair_rows: bool = False, one_tile: bool = False) -> triton.compiler.CompiledKernel:
+                    pair_rows: bool = False, one_tile: bool = False, early_scales: bool = False) -> triton.compiler.CompiledKernel:
     """The one-row kernel as bench/gemv.py launches it: pointers and N, K, k_per_split divisible
     by 16 (what the JIT specialises on for Llama shapes), split-K on, PDL on."""
     sig = {"x_ptr": "*fp16", "qw_ptr": "*i32", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": "*fp16",
            "partial_ptr": "*fp32", "counter_ptr": "*i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
     consts = dict(GROUP=group, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=2, PAIR_ROWS=pair_rows, USE_ASM=True, PDL=True,
-                  DIAG=0, ONE_TILE=one_tile)
+                  DIAG=0, ONE_TILE=one_tile, EARLY_SCALES=early_scales)
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
     src = ASTSource(fn=gemv_w4._gemv_w4_m1_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                     constexprs=consts, attrs=attrs)

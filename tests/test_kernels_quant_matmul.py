@@ -74,12 +74,14 @@ def test_gemv_w4(n: int, k: int, group: int) -> None:
                               pair_rows=pairs)
         assert out.dtype == torch.float16 and out.shape == (1, n)
         assert rel_err(out, ref) <= 1e-3, (split_k, block_n, pairs, rel_err(out, ref))
-    # one_tile: each split one tile (the last one partly past K where 128 does not divide it), no loop
-    for block_kw, pairs in ((8, False), (16, False), (16, True), (32, True)):
+    # one_tile: each split one tile (the last one partly past K where 128 does not divide it), no loop;
+    # early_scales: the tile's scales requested before the PDL wait (tiles in one group and spanning several)
+    for block_kw, pairs, early in ((8, False, False), (16, False, False), (16, True, False), (32, True, False),
+                                   (8, False, True), (32, False, True), (16, True, True), (32, True, True)):
         torch.empty(1, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))  # poison the allocator's next block
         out = gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=-(-k // (8 * block_kw)), block_n=64,
-                              block_kw=block_kw, pair_rows=pairs, one_tile=True)
-        assert rel_err(out, ref) <= 1e-3, (block_kw, pairs, rel_err(out, ref))
+                              block_kw=block_kw, pair_rows=pairs, one_tile=True, early_scales=early)
+        assert rel_err(out, ref) <= 1e-3, (block_kw, pairs, early, rel_err(out, ref))
     with pytest.raises(ValueError, match="even block_kw"):
         gemv_w4.gemv_w4(x, qweight, scales, mins, group, block_kw=3, pair_rows=True)
     with pytest.raises(ValueError, match="one_tile"):

@@ -101,6 +101,24 @@ if HAS_TRITON:
         return p04, p15, p26, p37, xs
 
     @triton.jit
+    def _group_scales(scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+        """fp16 scales and mins of a tile of whole groups, one row per group: [BLOCK_K / GROUP, N]."""
+        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        mask = (g * GROUP < k_end)[:, None] & n_mask[None, :]
+        offs = (g * N)[:, None] + rn[None, :]
+        return tl.load(scales_ptr + offs, mask=mask, other=0.0), tl.load(mins_ptr + offs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _scaled_by_group(dots, xs, s16, m16, NG: tl.constexpr, BLOCK_N: tl.constexpr):
+        """[NG, N] fp32: each group's sum of dots [rows, N] times its scale, plus its sum of xs [rows]
+        times its (m + 8 s); the rows of a group are consecutive."""
+        R: tl.constexpr = dots.shape[0] // NG
+        d = tl.sum(tl.reshape(dots, [NG, R, BLOCK_N]), axis=1)
+        xg = tl.sum(tl.reshape(xs, [NG, R]), axis=1)
+        s = s16.to(tl.float32)
+        return d * s + xg[:, None] * (m16.to(tl.float32) + 8.0 * s)
+
+    @triton.jit
     def _add_scaled(acc, dots, xs, w_row, row_ok, scales_ptr, mins_ptr, k0, N, rn, n_mask,
                     GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
         """acc + dots * s + xs * (m + 8 s): dots [rows, N] sums of (q - 8) x of word rows w_row (of
@@ -118,9 +136,21 @@ if HAS_TRITON:
             return acc + dots * s + xs[:, None] * m
 
     @triton.jit
+    def _add_preloaded(acc, dots, xs, s16, m16, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """_add_scaled with the scales and mins from _early_scales: [N] for a tile in one group;
+        else [groups, N], and acc is still zero (one tile): the result is then [groups, N]."""
+        if GROUP % BLOCK_K == 0:
+            s = s16.to(tl.float32)
+            return acc + dots * s[None, :] + xs[:, None] * (m16.to(tl.float32) + 8.0 * s)[None, :]
+        else:
+            return _scaled_by_group(dots, xs, s16, m16, BLOCK_K // GROUP, BLOCK_N)
+
+    @triton.jit
     def _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
-                 GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
-        """acc [KW, N] fp32 += one tile's contribution: words [KW, N] hold k = k0 .. k0 + 8 KW."""
+                 GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
+                 s16=None, m16=None):
+        """acc [KW, N] fp32 += one tile's contribution: words [KW, N] hold k = k0 .. k0 + 8 KW.
+        s16 / m16: the tile's _early_scales if already loaded (else loaded here, after the dots)."""
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
         w_row = k0 // 8 + tl.arange(0, BLOCK_KW)
         row_ok = w_row * 8 < k_end
@@ -140,7 +170,11 @@ if HAS_TRITON:
             for j in tl.static_range(8):
                 xj = tl.load(x_ptr + w_row * 8 + j, mask=row_ok, other=0.0).to(tl.float32)
                 dots += _nibble(uw, j).to(tl.float32) * xj[:, None]
-        return _add_scaled(acc, dots, xs, w_row, row_ok, scales_ptr, mins_ptr, k0, N, rn, n_mask, GROUP, BLOCK_K)
+        if s16 is None:
+            out = _add_scaled(acc, dots, xs, w_row, row_ok, scales_ptr, mins_ptr, k0, N, rn, n_mask, GROUP, BLOCK_K)
+        else:
+            out = _add_preloaded(acc, dots, xs, s16, m16, GROUP, BLOCK_K, BLOCK_N)
+        return out
 
     @triton.jit
     def pair_asm(ASM: tl.constexpr, we, wo, e0, e1, e2, e3, o0, o1, o2, o3):
@@ -158,7 +192,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
-                       GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+                       GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
+                       s16=None, m16=None):
         """acc [KW/2, N] fp32 += one tile's contribution, its even word rows in we, odd in wo: one
         fp32 conversion, scale FMA and min FMA per two words instead of per word."""
         HALF: tl.constexpr = BLOCK_KW // 2
@@ -177,8 +212,12 @@ if HAS_TRITON:
                 xe = tl.load(x_ptr + row_e * 8 + j, mask=ok_e, other=0.0).to(tl.float32)
                 xo = tl.load(x_ptr + row_e * 8 + 8 + j, mask=ok_o, other=0.0).to(tl.float32)
                 dots += _nibble(ue, j).to(tl.float32) * xe[:, None] + _nibble(uo, j).to(tl.float32) * xo[:, None]
-        return _add_scaled(acc, dots, xs_e + xs_o, row_e, ok_e, scales_ptr, mins_ptr, k0, N, rn, n_mask,
-                           GROUP, BLOCK_KW * 8)
+        if s16 is None:
+            out = _add_scaled(acc, dots, xs_e + xs_o, row_e, ok_e, scales_ptr, mins_ptr, k0, N, rn, n_mask,
+                              GROUP, BLOCK_KW * 8)
+        else:
+            out = _add_preloaded(acc, dots, xs_e + xs_o, s16, m16, GROUP, BLOCK_KW * 8, BLOCK_N)
+        return out
 
     @triton.jit
     def _load_rows(qw_ptr, w_row, k_end, N, rn, n_mask):
@@ -192,12 +231,23 @@ if HAS_TRITON:
         return _load_rows(qw_ptr, k0 // 8 + tl.arange(0, BLOCK_KW), k_end, N, rn, n_mask)
 
     @triton.jit
+    def _early_scales(scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+        """A one-tile split's scales and mins in their compact form: [N] for a tile inside one group,
+        else [groups, N] (the tile then holds whole groups: gemv_w4 checks)."""
+        if GROUP % BLOCK_K == 0:
+            g = k0 // GROUP
+            return (tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0),
+                    tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0))
+        else:
+            return _group_scales(scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask, GROUP, BLOCK_K)
+
+    @triton.jit
     def _gemv_w4_m1_kernel(
         x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
         PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, DIAG: tl.constexpr,
-        ONE_TILE: tl.constexpr = False,
+        ONE_TILE: tl.constexpr = False, EARLY_SCALES: tl.constexpr = False,
     ):
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
         pid_n = tl.program_id(0)
@@ -209,6 +259,9 @@ if HAS_TRITON:
         # The weights never change, so the first tile is read before waiting for the previous
         # kernel (PDL): its DRAM round trip overlaps that kernel's tail. Small matrices (8B qkv,
         # o) are one or two tiles per program, so most of their bytes move during the wait.
+        # EARLY_SCALES (with ONE_TILE; HALFBYTE_GEMV_EARLY_SCALES=1, an experiment): the tile's scales
+        # and mins are requested there too; otherwise ptxas issues them after the dots (offline SASS),
+        # one more round trip per program after its words arrived.
         # ONE_TILE (k_per_split == BLOCK_K): no loop, so no registers hold a next tile in flight. Kept
         # as its own branch: the loop with its next-tile load switched off instead still keeps the tile
         # live (offline sm_90: 32 x 512 paired 128 -> 174 registers, 8 x 512 x 4 warps 78 -> 168).
@@ -216,12 +269,17 @@ if HAS_TRITON:
             even = 2 * tl.arange(0, BLOCK_KW // 2)
             we = _load_rows(qw_ptr, k_start // 8 + even, k_end, N, rn, n_mask)
             wo = _load_rows(qw_ptr, k_start // 8 + even + 1, k_end, N, rn, n_mask)
+            if ONE_TILE and EARLY_SCALES:
+                s16, m16 = _early_scales(scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask, GROUP, BLOCK_K)
             pdl_sync(PDL)
             acc = tl.zeros([BLOCK_KW // 2, BLOCK_N], dtype=tl.float32)
             seen = tl.zeros([BLOCK_KW // 2, BLOCK_N], dtype=tl.int32)
             if ONE_TILE:
                 if DIAG == 2:
                     seen ^= we ^ wo
+                elif EARLY_SCALES:
+                    acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask,
+                                         GROUP, BLOCK_KW, BLOCK_N, USE_ASM, s16, m16)
                 else:
                     acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask,
                                          GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
@@ -236,12 +294,17 @@ if HAS_TRITON:
                     wo = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even + 1, k_end, N, rn, n_mask)
         else:
             words = _load_words(qw_ptr, k_start, k_end, N, rn, n_mask, BLOCK_KW)
+            if ONE_TILE and EARLY_SCALES:
+                s16, m16 = _early_scales(scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask, GROUP, BLOCK_K)
             pdl_sync(PDL)
             acc = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
             seen = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.int32)
             if ONE_TILE:
                 if DIAG == 2:
                     seen ^= words
+                elif EARLY_SCALES:
+                    acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask,
+                                   GROUP, BLOCK_KW, BLOCK_N, USE_ASM, s16, m16)
                 else:
                     acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask,
                                    GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
@@ -297,6 +360,7 @@ _M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int, bool]] = 
 # HALFBYTE_GEMV_PAIRS=0 / 1 forces pair_rows off / on for every shape (A/B runs)
 _PAIRS_ENV = os.environ.get("HALFBYTE_GEMV_PAIRS")
 _ONE_TILE_ENV = os.environ.get("HALFBYTE_GEMV_ONE_TILE", "0") == "1"
+_EARLY_SCALES_ENV = os.environ.get("HALFBYTE_GEMV_EARLY_SCALES", "0") == "1"
 
 
 def _use_asm() -> bool:
@@ -314,11 +378,14 @@ def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
-    one_tile: bool | None = None, _diag: int = 0,
+    one_tile: bool | None = None, early_scales: bool | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
     one_tile: each program's split is one tile, compiled without the loop (None: where the split is
     one tile and there is no split, or HALFBYTE_GEMV_ONE_TILE=1 for any one-tile split).
+    early_scales: with one_tile, request the tile's scales and mins before the PDL wait, with its
+    words, one row per group (None: HALFBYTE_GEMV_EARLY_SCALES=1; an experiment, not yet timed;
+    ignored unless the tile lies inside one group or holds whole groups).
     _diag (bench/gemv.py --diag only; the output is then wrong): 1 skips the split-K combine, 2 also
     the arithmetic (the same loads, XORed): what the combine and the math cost."""
     k = x.shape[1]
@@ -347,10 +414,13 @@ def gemv_w4(
         raise ValueError(f"gemv_w4: one_tile needs a split of one tile, got {k_per_split} k per split, block_kw {block_kw}")
     if one_tile is None:  # without a split the one-tile kernel won (H100, 8B o 7.2 -> 5.7 us, BENCHMARKS.md)
         one_tile = fits and (split_k == 1 or _ONE_TILE_ENV)
+    tile_k = 8 * block_kw  # early scales need the tile inside one group or made of whole groups
+    early = one_tile and (_EARLY_SCALES_ENV if early_scales is None else early_scales)
+    early = early and (group_size % tile_k == 0 or tile_k % group_size == 0)
     _gemv_w4_m1_kernel[(col_blocks, split_k)](
         x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
         GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows, USE_ASM=_use_asm(),
-        DIAG=_diag, ONE_TILE=one_tile, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
+        DIAG=_diag, ONE_TILE=one_tile, EARLY_SCALES=early, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
     return out
 
