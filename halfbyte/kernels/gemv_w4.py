@@ -101,6 +101,30 @@ if HAS_TRITON:
         return p04, p15, p26, p37, xs
 
     @triton.jit
+    def _one_group_scales(scales_ptr, mins_ptr, k0, N, rn, n_mask, GROUP: tl.constexpr, WIDEN: tl.constexpr):
+        """Scales and mins [N] of the group holding k0: as loaded (fp16), or WIDEN: fp32 s and
+        m + 8 s, each converted as it is loaded (the order the default path compiles best in)."""
+        g = k0 // GROUP
+        s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0)
+        if WIDEN:
+            s = s.to(tl.float32)
+        m = tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0)
+        if WIDEN:
+            m = m.to(tl.float32) + 8.0 * s
+        return s, m
+
+    @triton.jit
+    def _widen(s16, m16):
+        """fp16 scales and mins -> fp32 s and m + 8 s."""
+        s = s16.to(tl.float32)
+        return s, m16.to(tl.float32) + 8.0 * s
+
+    @triton.jit
+    def _add_one_group(acc, dots, xs, s, m8):
+        """acc + dots * s + xs * (m + 8 s) for a tile inside one group (s, m8 [N] from _one_group_scales)."""
+        return acc + dots * s[None, :] + xs[:, None] * m8[None, :]
+
+    @triton.jit
     def _group_scales(scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
         """fp16 scales and mins of a tile of whole groups, one row per group: [BLOCK_K / GROUP, N]."""
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
@@ -110,13 +134,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _scaled_by_group(dots, xs, s16, m16, NG: tl.constexpr, BLOCK_N: tl.constexpr):
-        """[NG, N] fp32: each group's sum of dots [rows, N] times its scale, plus its sum of xs [rows]
-        times its (m + 8 s); the rows of a group are consecutive."""
+        """[NG, N] fp32: each group's sum of dots [rows, N] times its scale, plus its sum of xs
+        [rows] times its m + 8 s; the rows of a group are consecutive."""
         R: tl.constexpr = dots.shape[0] // NG
         d = tl.sum(tl.reshape(dots, [NG, R, BLOCK_N]), axis=1)
         xg = tl.sum(tl.reshape(xs, [NG, R]), axis=1)
-        s = s16.to(tl.float32)
-        return d * s + xg[:, None] * (m16.to(tl.float32) + 8.0 * s)
+        s, m8 = _widen(s16, m16)
+        return d * s + xg[:, None] * m8
 
     @triton.jit
     def _add_scaled(acc, dots, xs, w_row, row_ok, scales_ptr, mins_ptr, k0, N, rn, n_mask,
@@ -124,10 +148,8 @@ if HAS_TRITON:
         """acc + dots * s + xs * (m + 8 s): dots [rows, N] sums of (q - 8) x of word rows w_row (of
         their group), xs [rows] their sums of x."""
         if GROUP % BLOCK_K == 0:  # the whole tile is in one group: one scale row
-            g = k0 // GROUP
-            s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32)
-            m = tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0).to(tl.float32) + 8.0 * s
-            return acc + dots * s[None, :] + xs[:, None] * m[None, :]
+            s, m8 = _one_group_scales(scales_ptr, mins_ptr, k0, N, rn, n_mask, GROUP, True)
+            return _add_one_group(acc, dots, xs, s, m8)
         else:
             mask = row_ok[:, None] & n_mask[None, :]
             offs = ((w_row * 8) // GROUP * N)[:, None] + rn[None, :]
@@ -137,11 +159,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _add_preloaded(acc, dots, xs, s16, m16, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        """_add_scaled with the scales and mins from _early_scales: [N] for a tile in one group;
+        """_add_scaled with the fp16 scales and mins from _early_scales: [N] for a tile in one group;
         else [groups, N], and acc is still zero (one tile): the result is then [groups, N]."""
         if GROUP % BLOCK_K == 0:
-            s = s16.to(tl.float32)
-            return acc + dots * s[None, :] + xs[:, None] * (m16.to(tl.float32) + 8.0 * s)[None, :]
+            s, m8 = _widen(s16, m16)
+            return _add_one_group(acc, dots, xs, s, m8)
         else:
             return _scaled_by_group(dots, xs, s16, m16, BLOCK_K // GROUP, BLOCK_N)
 
@@ -232,12 +254,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _early_scales(scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-        """A one-tile split's scales and mins in their compact form: [N] for a tile inside one group,
-        else [groups, N] (the tile then holds whole groups: gemv_w4 checks)."""
+        """A one-tile split's fp16 scales and mins in their compact form: [N] for a tile inside one
+        group, else [groups, N] (the tile then holds whole groups: gemv_w4 checks)."""
         if GROUP % BLOCK_K == 0:
-            g = k0 // GROUP
-            return (tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0),
-                    tl.load(mins_ptr + g * N + rn, mask=n_mask, other=0.0))
+            return _one_group_scales(scales_ptr, mins_ptr, k0, N, rn, n_mask, GROUP, False)
         else:
             return _group_scales(scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask, GROUP, BLOCK_K)
 
@@ -269,6 +289,7 @@ if HAS_TRITON:
             even = 2 * tl.arange(0, BLOCK_KW // 2)
             we = _load_rows(qw_ptr, k_start // 8 + even, k_end, N, rn, n_mask)
             wo = _load_rows(qw_ptr, k_start // 8 + even + 1, k_end, N, rn, n_mask)
+            s16, m16 = None, None  # the tile's scales: loaded after its dots unless EARLY_SCALES
             if ONE_TILE and EARLY_SCALES:
                 s16, m16 = _early_scales(scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask, GROUP, BLOCK_K)
             pdl_sync(PDL)
@@ -277,12 +298,9 @@ if HAS_TRITON:
             if ONE_TILE:
                 if DIAG == 2:
                     seen ^= we ^ wo
-                elif EARLY_SCALES:
-                    acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask,
-                                         GROUP, BLOCK_KW, BLOCK_N, USE_ASM, s16, m16)
                 else:
                     acc = _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask,
-                                         GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
+                                         GROUP, BLOCK_KW, BLOCK_N, USE_ASM, s16, m16)
             else:
                 for k0 in range(k_start, k_end, BLOCK_K):
                     if DIAG == 2:  # loads only
@@ -294,6 +312,7 @@ if HAS_TRITON:
                     wo = _load_rows(qw_ptr, (k0 + BLOCK_K) // 8 + even + 1, k_end, N, rn, n_mask)
         else:
             words = _load_words(qw_ptr, k_start, k_end, N, rn, n_mask, BLOCK_KW)
+            s16, m16 = None, None  # the tile's scales: loaded after its dots unless EARLY_SCALES
             if ONE_TILE and EARLY_SCALES:
                 s16, m16 = _early_scales(scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask, GROUP, BLOCK_K)
             pdl_sync(PDL)
@@ -302,12 +321,9 @@ if HAS_TRITON:
             if ONE_TILE:
                 if DIAG == 2:
                     seen ^= words
-                elif EARLY_SCALES:
-                    acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask,
-                                   GROUP, BLOCK_KW, BLOCK_N, USE_ASM, s16, m16)
                 else:
                     acc = _m1_tile(acc, words, x_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask,
-                                   GROUP, BLOCK_KW, BLOCK_N, USE_ASM)
+                                   GROUP, BLOCK_KW, BLOCK_N, USE_ASM, s16, m16)
             else:
                 for k0 in range(k_start, k_end, BLOCK_K):
                     if DIAG == 2:  # loads only
