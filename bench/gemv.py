@@ -136,6 +136,9 @@ def main() -> None:
     ap.add_argument("--diag", action="store_true",
                     help="one row, the best config again without the split-K combine, and without the arithmetic "
                     "too (gemv_w4 _diag 1 / 2: timing only, wrong outputs): what each costs")
+    ap.add_argument("--cluster", action="store_true",
+                    help="one and 16 rows: the tuned configs with the split-K combine through a thread-block cluster "
+                    "(kernels/cluster.py) beside the counter combine, same call (no change where there is no split)")
     ap.add_argument("--no-read-ceiling", action="store_true",
                     help="skip timing a plain read of each shape's bytes (bench/read_ceiling.py)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join({**SHAPES, **TP2_SHAPES, **HEAD_SHAPES})}")
@@ -238,6 +241,10 @@ def main() -> None:
                     rotated_time(lambda q, s_, m_, d=d: new(x1, q, s_, m_, **cfg, _diag=d), copies) * 1e6 for d in (1, 2)]
                 row["diag16_us"] = [w16 * 1e6] + [
                     rotated_time(lambda q, s_, m_, d=d: mma(x16, q, s_, m_, **cfg16, _diag=d), copies) * 1e6 for d in (1, 2, 3, 4)]
+            if args.cluster:  # counter, cluster, counter, cluster: the same configs, the same copies, checked
+                times = [pick(fn, [{**c, "cluster": on}], x, ref, f"w4 cluster={on}")
+                         for fn, c, x, ref in ((new, cfg, x1, ref1), (mma, cfg16, x16, ref16)) for on in (False, True, False, True)]
+                row["cluster_us"] = [t[1] * 1e6 if t else None for t in times]  # b1 off on off on, b16 off on off on
             # the other way to feed x's value planes (gemm_w4.x_split_default), same configs, same run
             split16, split64 = gemm_w4.x_split_default(n, k, 16), gemm_w4.x_split_default(n, k, 64)
             alt16 = pick(mma, [{**cfg16, "x_split": not split16}], x16, ref16)
@@ -286,6 +293,9 @@ def main() -> None:
         f"b64 {'SP'[not r['x_split64']]} {r['w4_t64_us']:.1f}->{r['w4_t64_other_us'] or float('nan'):.1f} us"
         for r in rows if "w4_t16_other_us" in r))
     print_diag(rows)
+    if args.cluster:
+        print("split-K combine, tuned configs, counter / cluster (two each, us): " + ", ".join(
+            f"{r['shape']} b1 {_pair(r['cluster_us'][0:4])} b16 {_pair(r['cluster_us'][4:8])}" for r in rows if "cluster_us" in r))
     if args.one_tile:
         print_one_tile(rows)
     if args.sweep_b16_nosplit:
@@ -320,6 +330,12 @@ def nosplit_configs(k: int) -> list[dict[str, Any]]:
         if 8 <= bn * kw // (32 * w) <= 64:
             out.append(dict(block_n=bn, block_kw=kw, num_warps=w, pair_rows=pr, split_k=1, one_tile=tiles == 1))
     return out
+
+
+def _pair(us: list[float | None]) -> str:
+    """'off1 off2 / on1 on2' from [off, on, off, on]."""
+    f = lambda v: "fail" if v is None else f"{v:.1f}"  # noqa: E731
+    return f"{f(us[0])} {f(us[2])} / {f(us[1])} {f(us[3])}"
 
 
 def print_one_tile(rows: list[dict[str, Any]]) -> None:

@@ -22,6 +22,7 @@ import os
 import torch
 
 from halfbyte.kernels.gemv_w4 import _DEQUANT_PTX, _use_asm
+from halfbyte.kernels.cluster import cluster_wanted, launch_clustered, partial_bytes, split_ids
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
 from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
@@ -86,7 +87,7 @@ if HAS_TRITON:
         M, N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
         SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, X_SPLIT: tl.constexpr, PDL: tl.constexpr,
-        DIAG: tl.constexpr = 0,
+        DIAG: tl.constexpr = 0, CLUSTER: tl.constexpr = False,
     ):
         pdl_sync(PDL)
         # out = x W^T, the weight tile as the dot's second operand: on sm_90 Triton 3.6 lowers it to
@@ -96,8 +97,7 @@ if HAS_TRITON:
         # DIAG (bench/gemv.py --diag, timing only): 1 no split-K combine, 2 also x's planes made in
         # registers instead of loaded, 3 dequantization without the dots, 4 the weight loads only.
         T: tl.constexpr = BLOCK_KW * 8
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
+        pid_n, pid_k = split_ids(CLUSTER, SPLIT_K)
         pid_m = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = rn < N
@@ -163,7 +163,7 @@ if HAS_TRITON:
             acc += (tl.sum(wsum, axis=0) + tl.sum(seen, axis=0).to(tl.float32))[None, :]
         # one split-K counter per output tile
         _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n + pid_m * tl.num_programs(0), pid_k, SPLIT_K,
-                   DIAG == 0)
+                   DIAG == 0, CLUSTER)
 
 
 def permute_x(x: torch.Tensor, block_kw: int) -> torch.Tensor:
@@ -211,12 +211,13 @@ def gemm_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, block_m: int | None = None,
-    x_split: bool | None = None, _diag: int = 0,
+    x_split: bool | None = None, cluster: bool | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [2 <= M <= 64, K] fp16 -> [M, N] fp16. block_m < M splits the rows over programs
     (more programs, each weight tile read once per row block, mostly from L2). x_split: split x's
     tiles into value planes in the kernel instead of permuting x first (one launch less per
-    call; default X_SPLIT, HALFBYTE_GEMM_X=permute|split). _diag: bench/gemv.py --diag only (the
+    call; default X_SPLIT, HALFBYTE_GEMM_X=permute|split). cluster: combine the K splits in a
+    thread-block cluster (cluster.py; None: HALFBYTE_SPLITK_CLUSTER=1, an experiment). _diag: bench/gemv.py --diag only (the
     output is then wrong; see the kernel)."""
     m, k = x.shape
     if not supports(x, 4, group_size):
@@ -239,10 +240,13 @@ def gemm_w4(
     row_blocks = triton.cdiv(m, block_m)
     col_blocks = triton.cdiv(n, block_n)
     split_k, k_per_split, out, partial, counters = split_k_launch(x, n, 8 * block_kw, col_blocks * row_blocks, split_k)
-    _gemm_w4_kernel[(col_blocks, split_k, row_blocks)](
-        xp, qweight, scales, mins, out, partial, counters, m, n, k, k_per_split,
-        GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
-        USE_ASM=_use_asm(), X_SPLIT=x_split, DIAG=_diag, num_warps=num_warps, num_stages=num_stages,
-        **pdl_args(x.device),
-    )
+    args = (xp, qweight, scales, mins, out, partial, counters, m, n, k, k_per_split)
+    consts = dict(GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
+                  USE_ASM=_use_asm(), X_SPLIT=x_split, DIAG=_diag, num_warps=num_warps, num_stages=num_stages,
+                  **pdl_args(x.device))
+    if cluster_wanted(x.device, split_k, cluster):
+        launch_clustered(_gemm_w4_kernel, (col_blocks, 1, row_blocks), split_k, partial_bytes(split_k, block_m, block_n),
+                         *args, CLUSTER=True, **consts)
+    else:
+        _gemm_w4_kernel[(col_blocks, split_k, row_blocks)](*args, **consts)
     return out

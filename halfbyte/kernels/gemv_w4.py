@@ -29,6 +29,7 @@ import os
 
 import torch
 
+from halfbyte.kernels.cluster import cluster_wanted, launch_clustered, partial_bytes, split_ids
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
 from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
@@ -267,11 +268,10 @@ if HAS_TRITON:
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
         PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, DIAG: tl.constexpr,
-        ONE_TILE: tl.constexpr = False, EARLY_SCALES: tl.constexpr = False,
+        ONE_TILE: tl.constexpr = False, EARLY_SCALES: tl.constexpr = False, CLUSTER: tl.constexpr = False,
     ):
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
+        pid_n, pid_k = split_ids(CLUSTER, SPLIT_K)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = rn < N
         k_start = pid_k * k_per_split
@@ -338,7 +338,8 @@ if HAS_TRITON:
         if DIAG == 2:
             acc += seen.to(tl.float32)
         total = tl.sum(acc, axis=0)[None, :]
-        _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K, DIAG == 0)
+        _write_out(total, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, pid_n, pid_k, SPLIT_K, DIAG == 0,
+                   CLUSTER)
 
 
 # (N, K) -> (block_n, block_kw, split_k or None for about two waves, stages, warps, pair_rows):
@@ -394,7 +395,7 @@ def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
-    one_tile: bool | None = None, early_scales: bool | None = None, _diag: int = 0,
+    one_tile: bool | None = None, early_scales: bool | None = None, cluster: bool | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
     one_tile: each program's split is one tile, compiled without the loop (None: where the split is
@@ -402,6 +403,8 @@ def gemv_w4(
     early_scales: with one_tile, request the tile's scales and mins before the PDL wait, with its
     words, one row per group (None: HALFBYTE_GEMV_EARLY_SCALES=1; an experiment, not yet timed;
     ignored unless the tile lies inside one group or holds whole groups).
+    cluster: combine the K splits in a thread-block cluster (cluster.py; None: HALFBYTE_SPLITK_CLUSTER=1;
+    an experiment, not yet timed; sm_90+, 2-8 splits, else the counter combine).
     _diag (bench/gemv.py --diag only; the output is then wrong): 1 skips the split-K combine, 2 also
     the arithmetic (the same loads, XORed): what the combine and the math cost."""
     k = x.shape[1]
@@ -433,10 +436,14 @@ def gemv_w4(
     tile_k = 8 * block_kw  # early scales need the tile inside one group or made of whole groups
     early = one_tile and (_EARLY_SCALES_ENV if early_scales is None else early_scales)
     early = early and (group_size % tile_k == 0 or tile_k % group_size == 0)
-    _gemv_w4_m1_kernel[(col_blocks, split_k)](
-        x, qweight, scales, mins, out, partial, counters, n, k, k_per_split,
-        GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows, USE_ASM=_use_asm(),
-        DIAG=_diag, ONE_TILE=one_tile, EARLY_SCALES=early, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
-    )
+    args = (x, qweight, scales, mins, out, partial, counters, n, k, k_per_split)
+    consts = dict(GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows,
+                  USE_ASM=_use_asm(), DIAG=_diag, ONE_TILE=one_tile, EARLY_SCALES=early, num_warps=num_warps,
+                  num_stages=num_stages, **pdl_args(x.device))
+    if cluster_wanted(x.device, split_k, cluster):
+        launch_clustered(_gemv_w4_m1_kernel, (col_blocks, 1, 1), split_k, partial_bytes(split_k, 1, block_n), *args,
+                         CLUSTER=True, **consts)
+    else:
+        _gemv_w4_m1_kernel[(col_blocks, split_k)](*args, **consts)
     return out
 

@@ -1,0 +1,158 @@
+"""The split-K combine through a thread-block cluster (halfbyte/kernels/cluster.py).
+
+On the GPU (sm_90+): gemv_w4 and gemm_w4 with the cluster combine against the counter combine
+(bit-identical: the same fp32 partials summed in the same order), against the reference, and
+replayed from a CUDA graph. On the CPU: the cluster kernels compile for sm_90 (ptxas accepts
+the PTX) and carry cluster barriers and remote stores instead of the counter atomics, the launch
+helper's argument order, and the mode's guards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from halfbyte.kernels import cluster, gemm_w4, gemv_w4
+from halfbyte.kernels.quant_matmul import quant_matmul_ref
+from tests.kernel_testing import DEVICE, rel_err
+from tests.test_kernels_quant_matmul import random_packed
+
+HOPPER = DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="thread-block clusters need an sm_90+ GPU")
+
+
+def _poisoned_next(n: int, m: int = 1) -> None:
+    torch.empty(m, n, dtype=torch.float16, device=DEVICE).fill_(float("nan"))  # the allocator's next block
+
+
+@needs_hopper
+@pytest.mark.parametrize("split_k", [2, 3, 4, 8])
+@pytest.mark.parametrize("pairs", [False, True])
+def test_gemv_w4_cluster_combine(split_k: int, pairs: bool) -> None:
+    n, k, group = 1000, 4096, 128  # 1000: the last column block partly past N
+    qweight, scales, mins = random_packed(n, k, 4, group, seed=split_k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(split_k)).half().to(DEVICE)
+    ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
+    kw = dict(split_k=split_k, block_n=64, block_kw=16, pair_rows=pairs)
+    _poisoned_next(n)
+    counter = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=False, **kw)
+    _poisoned_next(n)
+    clustered = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=True, **kw)
+    assert rel_err(clustered, ref) <= 1e-3
+    assert torch.equal(clustered, counter)
+
+
+@needs_hopper
+@pytest.mark.parametrize("m,split_k", [(2, 2), (5, 3), (16, 4), (16, 8)])
+def test_gemm_w4_cluster_combine(m: int, split_k: int) -> None:
+    n, k, group = 200, 4096, 128
+    qweight, scales, mins = random_packed(n, k, 4, group, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().to(DEVICE)
+    ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
+    kw = dict(split_k=split_k, block_n=64, block_kw=16)
+    _poisoned_next(n, m)
+    counter = gemm_w4.gemm_w4(x, qweight, scales, mins, group, cluster=False, **kw)
+    _poisoned_next(n, m)
+    clustered = gemm_w4.gemm_w4(x, qweight, scales, mins, group, cluster=True, **kw)
+    assert rel_err(clustered, ref) <= 1e-3
+    assert torch.equal(clustered, counter)
+
+
+@needs_hopper
+def test_cluster_combine_in_a_cuda_graph() -> None:
+    """Decode replays its GEMVs from CUDA graphs: the cluster launch must capture and replay."""
+    n, k, group = 512, 2048, 128
+    qweight, scales, mins = random_packed(n, k, 4, group, seed=7)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)).half().to(DEVICE)
+    kw = dict(split_k=4, block_n=64, block_kw=16, cluster=True)
+    gemv_w4.gemv_w4(x, qweight, scales, mins, group, **kw)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv_w4.gemv_w4(x, qweight, scales, mins, group, **kw)
+    for seed in (8, 9):
+        x.copy_(torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).half())
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=4, block_n=64, block_kw=16,
+                                                cluster=False))
+
+
+# Run without Triton's interpreter (conftest turns it on for the CPU): the kernels as the GPU compiles them.
+_OFFLINE = r"""
+import inspect, json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+from halfbyte.kernels import cluster, gemm_w4, gemv_w4
+
+def compile90(fn, sig, consts, warps, stages):
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
+    src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+use = sys.argv[1] == "1"
+ptrs = {"qw_ptr": "*i32", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": "*fp16", "partial_ptr": "*fp32",
+        "counter_ptr": "*i32"}
+gemv = compile90(gemv_w4._gemv_w4_m1_kernel, {"x_ptr": "*fp16", **ptrs, "N": "i32", "K": "i32", "k_per_split": "i32"},
+                 dict(GROUP=128, BLOCK_N=64, BLOCK_KW=32, SPLIT_K=8, PAIR_ROWS=True, USE_ASM=True, PDL=False, DIAG=0, ONE_TILE=False,
+                      EARLY_SCALES=False, CLUSTER=use), 4, 2)
+gemm = compile90(gemm_w4._gemm_w4_kernel, {"xp_ptr": "*fp16", **ptrs, "M": "i32", "N": "i32", "K": "i32",
+                 "k_per_split": "i32"}, dict(GROUP=128, BLOCK_M=16, BLOCK_N=64, BLOCK_KW=16, SPLIT_K=4, USE_ASM=True,
+                 X_SPLIT=True, PDL=False, DIAG=0, CLUSTER=use), 4, 3)
+fn = gemv_w4._gemv_w4_m1_kernel
+consts = dict(GROUP=128, BLOCK_N=64, BLOCK_KW=16, SPLIT_K=4, PAIR_ROWS=False, USE_ASM=True, PDL=False, DIAG=0,
+              CLUSTER=True, num_warps=4)
+values = cluster._bound_values(fn, tuple(range(10)), consts)
+try:
+    cluster._bound_values(fn, tuple(range(10)), {"BLOCK_N": 64})
+    missing = ""
+except TypeError as e:
+    missing = str(e)
+print(json.dumps({"ptx": [gemv.asm["ptx"], gemm.asm["ptx"]], "names": [p.name for p in fn.params],
+                  "values": values, "missing": missing}))
+"""
+
+
+def _offline(use_cluster: bool) -> dict:
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _OFFLINE, "1" if use_cluster else "0"], capture_output=True, text=True,
+                         env=env, cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("use_cluster", [False, True])
+def test_cluster_kernels_compile_for_sm90(use_cluster: bool) -> None:
+    """Offline (no GPU needed; ptxas must accept the PTX): with CLUSTER the combine is cluster
+    barriers, remote shared-memory stores and local loads, with no counter atomics left; without
+    it, the counter combine. Also launch_clustered's arguments: every parameter in kernel order,
+    defaults filled in, a missing one named."""
+    got = _offline(use_cluster)
+    for ptx in got["ptx"]:
+        assert ("barrier.cluster.wait" in ptx) == use_cluster
+        assert ("st.shared::cluster.f32" in ptx) == use_cluster
+        assert ("atom." in ptx) == (not use_cluster)
+    values = dict(zip(got["names"], got["values"]))
+    assert len(got["values"]) == len(got["names"]) and got["values"][:10] == list(range(10))
+    assert values["ONE_TILE"] is False and values["CLUSTER"] is True  # a default; a given constexpr
+    assert "missing argument 'GROUP'" in got["missing"]
+
+
+def test_cluster_mode_guards(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert not cluster.cluster_wanted(cpu, 4, True)  # no GPU
+    monkeypatch.setenv("HALFBYTE_SPLITK_CLUSTER", "1")
+    assert not cluster.cluster_wanted(cpu, 4)
+    if HOPPER:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        assert cluster.cluster_wanted(DEVICE, 4) and cluster.cluster_wanted(DEVICE, 8, True)
+        assert not cluster.cluster_wanted(DEVICE, 1, True)  # nothing to combine
+        assert not cluster.cluster_wanted(DEVICE, 9, True)  # past the portable cluster size
+        assert not cluster.cluster_wanted(DEVICE, 4, False)
+    assert cluster.partial_bytes(8, 1, 64) == 7 * 64 * 4
