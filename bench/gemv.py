@@ -139,6 +139,9 @@ def main() -> None:
     ap.add_argument("--cluster", action="store_true",
                     help="one and 16 rows: the tuned configs with the split-K combine through a thread-block cluster "
                     "(kernels/cluster.py) beside the counter combine, same call (no change where there is no split)")
+    ap.add_argument("--sweep-cluster", action="store_true",
+                    help="one and 16 rows: K splits of 2-8 combined through a thread-block cluster, a few tiles each "
+                    "(cheap combines may make splits win where the counter combine lost)")
     ap.add_argument("--no-read-ceiling", action="store_true",
                     help="skip timing a plain read of each shape's bytes (bench/read_ceiling.py)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join({**SHAPES, **TP2_SHAPES, **HEAD_SHAPES})}")
@@ -216,6 +219,17 @@ def main() -> None:
             if args.sweep_nosplit:
                 grid1 += nosplit_configs(k)
             grid16 = list(grid_m)
+            if args.sweep_cluster:
+                grid1 += [dict(block_n=bn, block_kw=kw, num_warps=w, split_k=sk, pair_rows=True, cluster=True)
+                          for (bn, kw, w), sk in itertools.product(CLUSTER_TILES_B1, (2, 4, 8))]
+                # each split one tile, several small programs per SM: one program's arithmetic can run
+                # while the others' words still arrive (one 64 KB program per SM waits for all of them)
+                grid1 += [dict(block_n=bn, block_kw=k // 8 // sk, num_warps=w, split_k=sk, pair_rows=True, one_tile=True,
+                               cluster=True)
+                          for bn, w, sk in itertools.product((16, 32), (4, 8), (2, 4, 8))
+                          if (k // 8) % sk == 0 and (k // 8 // sk) & (k // 8 // sk - 1) == 0 and bn * k // 8 // sk <= 16384]
+                grid16 += [dict(block_n=bn, block_kw=kw, split_k=sk, cluster=True)
+                           for (bn, kw), sk in itertools.product(((64, 16), (64, 32), (128, 16)), (2, 4, 8))]
             if args.sweep_b16:
                 grid16 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st) for bn, kw, sk, st, w in
                            itertools.product((32, 64, 128), (16, 32), (None, 4), (3, 5), (2, 4))]
@@ -330,6 +344,10 @@ def nosplit_configs(k: int) -> list[dict[str, Any]]:
         if 8 <= bn * kw // (32 * w) <= 64:
             out.append(dict(block_n=bn, block_kw=kw, num_warps=w, pair_rows=pr, split_k=1, one_tile=tiles == 1))
     return out
+
+
+# one-row tiles for --sweep-cluster: the tuned tiles of the 8B / 70B shapes and their neighbours
+CLUSTER_TILES_B1 = ((32, 64, 4), (64, 32, 4), (64, 64, 8), (128, 32, 8), (32, 128, 8))
 
 
 def _pair(us: list[float | None]) -> str:
