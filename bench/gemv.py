@@ -142,6 +142,9 @@ def main() -> None:
     ap.add_argument("--sweep-cluster", action="store_true",
                     help="one and 16 rows: K splits of 2-8 combined through a thread-block cluster, a few tiles each "
                     "(cheap combines may make splits win where the counter combine lost)")
+    ap.add_argument("--stages", action="store_true",
+                    help="one row: one-tile paired configs with their tile as 2 / 4 sub-tiles staged through shared "
+                    "memory (gemv_w4 stages), beside the same configs unstaged and the tuned one, same call")
     ap.add_argument("--no-read-ceiling", action="store_true",
                     help="skip timing a plain read of each shape's bytes (bench/read_ceiling.py)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join({**SHAPES, **TP2_SHAPES, **HEAD_SHAPES})}")
@@ -218,6 +221,11 @@ def main() -> None:
                           for bn, kw, w, pr in ONE_TILE_CONFIGS for one in (False, True)]
             if args.sweep_nosplit:
                 grid1 += nosplit_configs(k)
+            if args.stages:  # whole-K one-tile programs (no split, no combine) and 2-way cluster splits
+                grid1 += [dict(block_n=bn, block_kw=k // 8 // sk, split_k=sk, num_warps=w, pair_rows=True, one_tile=True,
+                               stages=st, **({"cluster": True} if sk > 1 else {}))
+                          for bn, w, sk, st in itertools.product((16, 32), (4, 8), (1, 2), (1, 2, 4))
+                          if (k // 8 // sk) & (k // 8 // sk - 1) == 0 and bn * k // 8 // sk <= 16384]
             grid16 = list(grid_m)
             if args.sweep_cluster:
                 grid1 += [dict(block_n=bn, block_kw=kw, num_warps=w, split_k=sk, pair_rows=True, cluster=True)
@@ -307,6 +315,15 @@ def main() -> None:
         f"b64 {'SP'[not r['x_split64']]} {r['w4_t64_us']:.1f}->{r['w4_t64_other_us'] or float('nan'):.1f} us"
         for r in rows if "w4_t16_other_us" in r))
     print_diag(rows)
+    if args.stages:
+        for r in rows:
+            one = [tr for tr in r["trials"] if tr["rows"] == 1 and tr["kernel"] == "w4" and "stages" in tr["cfg"]]
+            if one:
+                best = {st: min((tr for tr in one if tr["cfg"]["stages"] == st), key=lambda tr: tr["us"], default=None)
+                        for st in (1, 2, 4)}
+                print(f"{r['shape']:<12} b1 one tile, best unstaged / 2 / 4 sub-tiles: " + " / ".join(
+                    f"{b['us']:.1f} us {b['cfg']['block_n']}x{b['cfg']['block_kw']}x{b['cfg']['num_warps']} split {b['cfg']['split_k']}"
+                    if b else "-" for b in best.values()))
     if args.cluster:
         print("split-K combine, tuned configs, counter / cluster (two each, us): " + ", ".join(
             f"{r['shape']} b1 {_pair(r['cluster_us'][0:4])} b16 {_pair(r['cluster_us'][4:8])}" for r in rows if "cluster_us" in r))

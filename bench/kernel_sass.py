@@ -37,13 +37,14 @@ REGS_PER_SM, THREADS_PER_SM, BLOCKS_PER_SM = 65536, 2048, 32
 
 def compile_gemv_w4(block_n: int, block_kw: int, warps: int, group: int = 128,
                     pair_rows: bool = False, one_tile: bool = False, early_scales: bool = False,
-                    cluster: bool = False) -> triton.compiler.CompiledKernel:
+                    cluster: bool = False, stages: int = 1) -> triton.compiler.CompiledKernel:
     """The one-row kernel as bench/gemv.py launches it: pointers and N, K, k_per_split divisible
     by 16 (what the JIT specialises on for Llama shapes), split-K on, PDL on."""
     sig = {"x_ptr": "*fp16", "qw_ptr": "*i32", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": "*fp16",
            "partial_ptr": "*fp32", "counter_ptr": "*i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
     consts = dict(GROUP=group, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=2, PAIR_ROWS=pair_rows, USE_ASM=True, PDL=True,
-                  DIAG=0, ONE_TILE=one_tile, EARLY_SCALES=early_scales, CLUSTER=cluster)
+                  DIAG=0, ONE_TILE=one_tile, EARLY_SCALES=early_scales, CLUSTER=cluster,
+                  STAGES=stages)
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
     src = ASTSource(fn=gemv_w4._gemv_w4_m1_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                     constexprs=consts, attrs=attrs)
@@ -89,7 +90,7 @@ def loop_body(sass: str) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("configs", nargs="+", help="block_n,block_kw,warps[,flags] (flags: p pair_rows, o one_tile "
-                    "(no loop: the whole kernel is counted), e early_scales, c cluster combine, i gemv_w4_i8)")
+                    "(no loop: the whole kernel is counted), e early_scales, c cluster combine, sN N staged sub-tiles, i gemv_w4_i8)")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--dump", action="store_true", help="print the loop's SASS")
     args = ap.parse_args()
@@ -100,7 +101,8 @@ def main() -> None:
         flags = fields[3] if len(fields) > 3 else ""
         pairs, one_tile, i8 = "p" in flags, "o" in flags, "i" in flags
         kernel = (compile_gemv_w4_i8(block_n, block_kw, warps, args.group) if i8
-                  else compile_gemv_w4(block_n, block_kw, warps, args.group, pairs, one_tile, "e" in flags, "c" in flags))
+                  else compile_gemv_w4(block_n, block_kw, warps, args.group, pairs, one_tile, "e" in flags, "c" in flags,
+                                           int(m.group(1)) if (m := re.search(r"s(\d)", flags)) else 1))
         regs = int(re.search(r"REG:(\d+)", _cuobjdump(kernel.asm["cubin"], "-res-usage")).group(1))  # type: ignore[union-attr]
         sass = _cuobjdump(kernel.asm["cubin"], "-sass")
         body = ([ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)] if one_tile else loop_body(sass))

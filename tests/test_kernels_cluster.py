@@ -88,28 +88,29 @@ import inspect, json, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton
-from halfbyte.kernels import cluster, gemm_w4, gemv_w4
+from halfbyte.kernels import gemm_w4, gemv_w4, shared_memory
 
 def compile90(fn, sig, consts, warps, stages):
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
     src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
-use = sys.argv[1] == "1"
+use = sys.argv[1] != "counter"
+stages = 4 if sys.argv[1] == "staged" else 1
 ptrs = {"qw_ptr": "*i32", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": "*fp16", "partial_ptr": "*fp32",
         "counter_ptr": "*i32"}
 gemv = compile90(gemv_w4._gemv_w4_m1_kernel, {"x_ptr": "*fp16", **ptrs, "N": "i32", "K": "i32", "k_per_split": "i32"},
-                 dict(GROUP=128, BLOCK_N=64, BLOCK_KW=32, SPLIT_K=8, PAIR_ROWS=True, USE_ASM=True, PDL=False, DIAG=0, ONE_TILE=False,
-                      EARLY_SCALES=False, CLUSTER=use), 4, 2)
+                 dict(GROUP=128, BLOCK_N=64, BLOCK_KW=32, SPLIT_K=8, PAIR_ROWS=True, USE_ASM=True, PDL=False, DIAG=0, ONE_TILE=stages > 1,
+                      EARLY_SCALES=False, CLUSTER=use, STAGES=stages), 4, 2)
 gemm = compile90(gemm_w4._gemm_w4_kernel, {"xp_ptr": "*fp16", **ptrs, "M": "i32", "N": "i32", "K": "i32",
                  "k_per_split": "i32"}, dict(GROUP=128, BLOCK_M=16, BLOCK_N=64, BLOCK_KW=16, SPLIT_K=4, USE_ASM=True,
                  X_SPLIT=True, PDL=False, DIAG=0, CLUSTER=use), 4, 3)
 fn = gemv_w4._gemv_w4_m1_kernel
 consts = dict(GROUP=128, BLOCK_N=64, BLOCK_KW=16, SPLIT_K=4, PAIR_ROWS=False, USE_ASM=True, PDL=False, DIAG=0,
               CLUSTER=True, num_warps=4)
-values = cluster._bound_values(fn, tuple(range(10)), consts)
+values = shared_memory.bound_values(fn, tuple(range(10)), consts)
 try:
-    cluster._bound_values(fn, tuple(range(10)), {"BLOCK_N": 64})
+    shared_memory.bound_values(fn, tuple(range(10)), {"BLOCK_N": 64})
     missing = ""
 except TypeError as e:
     missing = str(e)
@@ -118,26 +119,31 @@ print(json.dumps({"ptx": [gemv.asm["ptx"], gemm.asm["ptx"]], "names": [p.name fo
 """
 
 
-def _offline(use_cluster: bool) -> dict:
+def _offline(variant: str) -> dict:
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _OFFLINE, "1" if use_cluster else "0"], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", _OFFLINE, variant], capture_output=True, text=True,
                          env=env, cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("use_cluster", [False, True])
-def test_cluster_kernels_compile_for_sm90(use_cluster: bool) -> None:
+@pytest.mark.parametrize("variant", ["counter", "cluster", "staged"])
+def test_kernels_compile_for_sm90(variant: str) -> None:
     """Offline (no GPU needed; ptxas must accept the PTX): with CLUSTER the combine is cluster
     barriers, remote shared-memory stores and local loads, with no counter atomics left; without
-    it, the counter combine. Also launch_clustered's arguments: every parameter in kernel order,
+    it, the counter combine; "staged" adds gemv_w4's cp.async sub-tiles (STAGES=4: four groups,
+    waits from 3 down to 0). Also launch_with_shared's arguments: every parameter in kernel order,
     defaults filled in, a missing one named."""
-    got = _offline(use_cluster)
+    got = _offline(variant)
+    use_cluster = variant != "counter"
     for ptx in got["ptx"]:
         assert ("barrier.cluster.wait" in ptx) == use_cluster
         assert ("st.shared::cluster.f32" in ptx) == use_cluster
         assert ("atom." in ptx) == (not use_cluster)
+    gemv_ptx = got["ptx"][0]
+    assert gemv_ptx.count("cp.async.commit_group") == (4 if variant == "staged" else 0)
+    assert all((f"cp.async.wait_group {n};" in gemv_ptx) == (variant == "staged") for n in range(4))
     values = dict(zip(got["names"], got["values"]))
     assert len(got["values"]) == len(got["names"]) and got["values"][:10] == list(range(10))
     assert values["ONE_TILE"] is False and values["CLUSTER"] is True  # a default; a given constexpr

@@ -82,6 +82,15 @@ def test_gemv_w4(n: int, k: int, group: int) -> None:
         out = gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=-(-k // (8 * block_kw)), block_n=64,
                               block_kw=block_kw, pair_rows=pairs, one_tile=True, early_scales=early)
         assert rel_err(out, ref) <= 1e-3, (block_kw, pairs, early, rel_err(out, ref))
+    # stages: the one tile as sub-tiles, the later ones through shared memory by cp.async on the GPU
+    # (plain loads in the interpreter), each dotted in turn; sub-tiles past K read as zeros
+    for block_kw, stages in ((16, 2), (32, 2), (32, 4)):
+        if n % 4:
+            break
+        torch.empty(1, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))  # poison the allocator's next block
+        out = gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=-(-k // (8 * block_kw)), block_n=64,
+                              block_kw=block_kw, pair_rows=True, one_tile=True, stages=stages)
+        assert rel_err(out, ref) <= 1e-3, (block_kw, stages, rel_err(out, ref))
     with pytest.raises(ValueError, match="even block_kw"):
         gemv_w4.gemv_w4(x, qweight, scales, mins, group, block_kw=3, pair_rows=True)
     with pytest.raises(ValueError, match="one_tile"):

@@ -9,7 +9,7 @@ remote shared-memory stores and one cluster barrier; rank 0 adds them in its own
 
 How: Triton 3.6 compiles cluster layouts (num_ctas) for whole-cluster programs and cannot reduce
 across CTAs, so the kernel is compiled as usual (one CTA a program) and only its launch is made a
-cluster launch (`launch_clustered`): the grid's x holds SPLIT_K consecutive programs per output
+cluster launch (shared_memory.launch_with_shared): the grid's x holds SPLIT_K consecutive programs per output
 tile (`split_ids`), the cluster's rank is the split. The partials' buffer is the last
 (SPLIT_K - 1) * tile bytes of the dynamic shared memory, added to the kernel's own at launch and
 found from %dynamic_smem_size, so it never overlaps Triton's scratch. PTX only (sm_90+): the
@@ -19,11 +19,11 @@ the same fp32 sums in the same order)."""
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 
 import torch
 
+from halfbyte.kernels.shared_memory import shared_tail
 from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
 
 MAX_CLUSTER = 8  # the portable cluster size; 16 needs a non-portable opt-in per kernel
@@ -47,41 +47,6 @@ def _has_clusters(device_index: int) -> bool:
 def partial_bytes(split_k: int, block_m: int, block_n: int) -> int:
     """Rank 0's buffer for the other splits' fp32 partials of one [block_m, block_n] tile."""
     return (split_k - 1) * block_m * block_n * 4
-
-
-_functions: dict[tuple[str, int, int], int] = {}
-
-
-def launch_clustered(fn, grid: tuple[int, int, int], cluster: int, extra_smem: int, *args, **kwargs) -> None:
-    """Launch the Triton kernel `fn` over grid (in clusters along x: the launch has cluster * grid[0]
-    programs along x) as clusters of `cluster` CTAs, each CTA with extra_smem more bytes of dynamic
-    shared memory after the kernel's own. Arguments as for fn[grid](*args, **kwargs)."""
-    kernel = fn.warmup(*args, grid=grid, **kwargs)  # compiles or finds the kernel; launches nothing
-    kernel._init_handles()
-    device = torch.cuda.current_device()
-    shared = -(-kernel.metadata.shared // 16) * 16 + extra_smem
-    key = (kernel.hash, shared, device)
-    function = _functions.get(key)
-    if function is None:  # the module again, loaded for the larger shared memory (opt-in past 48 KB)
-        _, function, _, _, _ = triton.runtime.driver.active.utils.load_binary(kernel.name, kernel.kernel, shared, device)
-        _functions[key] = function
-    num_warps, _, _ = kernel.packed_metadata  # (num_warps, num_ctas, shared) in Triton 3.6-3.9
-    stream = triton.runtime.driver.active.get_current_stream(device)
-    kernel.run(grid[0], grid[1], grid[2], stream, function, (num_warps, cluster, shared), None, None, None,
-               *_bound_values(fn, args, kwargs))
-
-
-def _bound_values(fn, args: tuple, kwargs: dict) -> list:
-    """Every parameter of fn in order (constexprs included), as its launcher takes them."""
-    values = list(args)
-    for p in fn.params[len(args):]:
-        if p.name in kwargs:
-            values.append(kwargs[p.name])
-        elif p.default is not inspect.Parameter.empty:
-            values.append(p.default)
-        else:
-            raise TypeError(f"launch_clustered: {fn.__name__} is missing argument {p.name!r}")
-    return values
 
 
 if HAS_TRITON:
@@ -119,11 +84,7 @@ if HAS_TRITON:
         BN: tl.constexpr = acc.shape[1]
         SLOT: tl.constexpr = BM * BN * 4
         elem = (tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]) * 4
-        # the buffer's 32-bit shared address: the last (SPLIT_K - 1) * SLOT bytes of the dynamic
-        # shared memory (launch_clustered adds them)
-        base = tl.inline_asm_elementwise(
-            "{ .reg .u32 t; mov.u32 $0, global_smem; mov.u32 t, %dynamic_smem_size; add.u32 $0, $0, t; sub.u32 $0, $0, $1; }",
-            "=r,r", [pid_k * 0 + (SPLIT_K - 1) * SLOT], dtype=tl.int32, is_pure=True, pack=1)
+        base = shared_tail((SPLIT_K - 1) * SLOT, pid_k)  # the last bytes of the dynamic shared memory
         _wait_acquire(pid_k)  # phase 0 (arrived in split_ids): every CTA has started
         if pid_k > 0:
             addr = base + (pid_k - 1) * SLOT + elem

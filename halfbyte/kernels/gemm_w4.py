@@ -22,8 +22,9 @@ import os
 import torch
 
 from halfbyte.kernels.gemv_w4 import _DEQUANT_PTX, _use_asm
-from halfbyte.kernels.cluster import cluster_wanted, launch_clustered, partial_bytes, split_ids
+from halfbyte.kernels.cluster import cluster_wanted, partial_bytes, split_ids
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
+from halfbyte.kernels.shared_memory import launch_with_shared
 from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
 # _DEQUANT_PTX leaves q - 8 for the value pairs (0,4) (1,5) (2,6) (3,7) in q04..q37; one f16x2
@@ -245,8 +246,8 @@ def gemm_w4(
                   USE_ASM=_use_asm(), X_SPLIT=x_split, DIAG=_diag, num_warps=num_warps, num_stages=num_stages,
                   **pdl_args(x.device))
     if cluster_wanted(x.device, split_k, cluster):
-        launch_clustered(_gemm_w4_kernel, (col_blocks, 1, row_blocks), split_k, partial_bytes(split_k, block_m, block_n),
-                         *args, CLUSTER=True, **consts)
+        launch_with_shared(_gemm_w4_kernel, (col_blocks, 1, row_blocks), partial_bytes(split_k, block_m, block_n), *args,
+                           cluster=split_k, CLUSTER=True, **consts)
     else:
         _gemm_w4_kernel[(col_blocks, split_k, row_blocks)](*args, **consts)
     return out

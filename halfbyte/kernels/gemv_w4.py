@@ -29,8 +29,10 @@ import os
 
 import torch
 
-from halfbyte.kernels.cluster import cluster_wanted, launch_clustered, partial_bytes, split_ids
+from halfbyte.kernels.cluster import cluster_wanted, partial_bytes, split_ids
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
+from halfbyte.kernels.shared_memory import (commit_copies, copy_rows_async, launch_with_shared, load_shared, shared_tail,
+                                            wait_copies)
 from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
 
 # q - 8 for the 8 nibbles of a word as 4 half2 registers: pairs (0,4) (1,5) (2,6) (3,7).
@@ -214,17 +216,19 @@ if HAS_TRITON:
         )
 
     @triton.jit
-    def _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
-                       GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
-                       s16=None, m16=None):
-        """acc [KW/2, N] fp32 += one tile's contribution, its even word rows in we, odd in wo: one
-        fp32 conversion, scale FMA and min FMA per two words instead of per word."""
-        HALF: tl.constexpr = BLOCK_KW // 2
-        row_e = k0 // 8 + 2 * tl.arange(0, HALF)
+    def _pair_x(x_ptr, row_e, k_end):
+        """x of even word rows row_e and the odd rows after them as half2 pairs, and each row's x sum:
+        (e04, e15, e26, e37, o04, o15, o26, o37, xs_e, xs_o)."""
         ok_e = row_e * 8 < k_end
         ok_o = row_e * 8 + 8 < k_end
         e04, e15, e26, e37, xs_e = _x_pairs(x_ptr, row_e, ok_e)
         o04, o15, o26, o37, xs_o = _x_pairs(x_ptr, row_e + 1, ok_o)
+        return (e04, e15, e26, e37, o04, o15, o26, o37, xs_e, xs_o)
+
+    @triton.jit
+    def _pair_dots(we, wo, xp, x_ptr, row_e, k_end, HALF: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+        """[HALF, N] fp32: per column, the sum over an even and an odd word of (q - 8) x (xp: _pair_x)."""
+        e04, e15, e26, e37, o04, o15, o26, o37, _, _ = xp
         if USE_ASM:
             dots = pair_asm(DOT16_ASM, we, wo, e04, e15, e26, e37, o04, o15, o26, o37)
         else:
@@ -232,14 +236,26 @@ if HAS_TRITON:
             uo = wo.to(tl.uint32, bitcast=True)
             dots = tl.zeros([HALF, BLOCK_N], dtype=tl.float32)
             for j in tl.static_range(8):
-                xe = tl.load(x_ptr + row_e * 8 + j, mask=ok_e, other=0.0).to(tl.float32)
-                xo = tl.load(x_ptr + row_e * 8 + 8 + j, mask=ok_o, other=0.0).to(tl.float32)
+                xe = tl.load(x_ptr + row_e * 8 + j, mask=row_e * 8 < k_end, other=0.0).to(tl.float32)
+                xo = tl.load(x_ptr + row_e * 8 + 8 + j, mask=row_e * 8 + 8 < k_end, other=0.0).to(tl.float32)
                 dots += _nibble(ue, j).to(tl.float32) * xe[:, None] + _nibble(uo, j).to(tl.float32) * xo[:, None]
+        return dots
+
+    @triton.jit
+    def _m1_tile_pairs(acc, we, wo, x_ptr, scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask,
+                       GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
+                       s16=None, m16=None):
+        """acc [KW/2, N] fp32 += one tile's contribution, its even word rows in we, odd in wo: one
+        fp32 conversion, scale FMA and min FMA per two words instead of per word."""
+        HALF: tl.constexpr = BLOCK_KW // 2
+        row_e = k0 // 8 + 2 * tl.arange(0, HALF)
+        xp = _pair_x(x_ptr, row_e, k_end)
+        dots = _pair_dots(we, wo, xp, x_ptr, row_e, k_end, HALF, BLOCK_N, USE_ASM)
         if s16 is None:
-            out = _add_scaled(acc, dots, xs_e + xs_o, row_e, ok_e, scales_ptr, mins_ptr, k0, N, rn, n_mask,
-                              GROUP, BLOCK_KW * 8)
+            out = _add_scaled(acc, dots, xp[8] + xp[9], row_e, row_e * 8 < k_end, scales_ptr, mins_ptr, k0, N, rn,
+                              n_mask, GROUP, BLOCK_KW * 8)
         else:
-            out = _add_preloaded(acc, dots, xs_e + xs_o, s16, m16, GROUP, BLOCK_KW * 8, BLOCK_N)
+            out = _add_preloaded(acc, dots, xp[8] + xp[9], s16, m16, GROUP, BLOCK_KW * 8, BLOCK_N)
         return out
 
     @triton.jit
@@ -263,12 +279,89 @@ if HAS_TRITON:
             return _group_scales(scales_ptr, mins_ptr, k0, k_end, N, rn, n_mask, GROUP, BLOCK_K)
 
     @triton.jit
+    def _staged_scales(scales_ptr, mins_ptr, k0, w_row, k_end, N, rn, n_mask, GROUP: tl.constexpr, SUB_K: tl.constexpr):
+        """fp16 scales and mins of the sub-tile at k0, its even rows w_row (a pair shares its group):
+        one row [N] for a sub-tile inside one group (one past K reads the last group's: its dots are
+        zero), else per row [rows, N] (the rows of a group read one row, L1-hot)."""
+        if GROUP % SUB_K == 0:
+            return _one_group_scales(scales_ptr, mins_ptr, tl.minimum(k0, k_end - 1), N, rn, n_mask, GROUP, False)
+        else:
+            mask = (w_row * 8 < k_end)[:, None] & n_mask[None, :]
+            offs = ((w_row * 8) // GROUP * N)[:, None] + rn[None, :]
+            return tl.load(scales_ptr + offs, mask=mask, other=0.0), tl.load(mins_ptr + offs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _staged_tile(x_ptr, qw_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask, pid_n,
+                     GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                     USE_ASM: tl.constexpr, PDL: tl.constexpr, FROM_END: tl.constexpr):
+        """acc [BLOCK_KW / STAGES / 2, N] of a one-tile split with paired rows, its tile as STAGES (2
+        or 4) sub-tiles copied by cp.async into shared memory, one group each, with their scales,
+        before the PDL wait; then each sub-tile's arithmetic as soon as its words landed. Why: ptxas
+        puts all of a one-tile program's weight loads on one scoreboard, so its first dot waits for
+        every word of the tile (offline SASS, 8B o 32 x 512): loads and arithmetic add up instead of
+        overlapping. What a sub-tile needs besides its words is requested ahead (scales before the
+        wait, x one sub-tile ahead): a request inside a sub-tile's block would be one more round trip
+        in series. (A first sub-tile loaded into registers was requested after the copies: ptxas
+        sinks such loads below them.) The interpreter loads the sub-tiles plainly."""
+        tl.static_assert(STAGES == 2 or STAGES == 4, "staged one-tile GEMV: 2 or 4 sub-tiles")
+        SKW: tl.constexpr = BLOCK_KW // STAGES
+        HALF: tl.constexpr = SKW // 2
+        SUB_K: tl.constexpr = SKW * 8
+        SLOT: tl.constexpr = HALF * BLOCK_N * 4
+        even = 2 * tl.arange(0, HALF)
+        row0 = k_start // 8
+        row_bytes = tl.arange(0, HALF) * (BLOCK_N * 4)
+        if USE_ASM:
+            base = shared_tail(FROM_END, pid_n)
+            for h in tl.static_range(STAGES):
+                for p in tl.static_range(2):  # even, odd rows
+                    w_row = row0 + h * SKW + even + p
+                    copy_rows_async(qw_ptr, w_row, w_row * 8 < k_end, N, pid_n * BLOCK_N, BLOCK_N,
+                                    base + (2 * h + p) * SLOT + row_bytes)
+                commit_copies(pid_n)
+        sc0 = _staged_scales(scales_ptr, mins_ptr, k_start + 0 * SUB_K, row0 + even, k_end, N, rn, n_mask, GROUP, SUB_K)
+        sc1 = _staged_scales(scales_ptr, mins_ptr, k_start + 1 * SUB_K, row0 + SKW + even, k_end, N, rn, n_mask, GROUP, SUB_K)
+        sc2, sc3 = sc0, sc1
+        if STAGES == 4:
+            sc2 = _staged_scales(scales_ptr, mins_ptr, k_start + 2 * SUB_K, row0 + 2 * SKW + even, k_end, N, rn, n_mask, GROUP, SUB_K)
+            sc3 = _staged_scales(scales_ptr, mins_ptr, k_start + 3 * SUB_K, row0 + 3 * SKW + even, k_end, N, rn, n_mask, GROUP, SUB_K)
+        pdl_sync(PDL)
+        xp = _pair_x(x_ptr, row0 + even, k_end)
+        acc = tl.zeros([HALF, BLOCK_N], dtype=tl.float32)
+        for h in tl.static_range(STAGES):
+            sc = sc0 if h == 0 else sc1 if h == 1 else sc2 if h == 2 else sc3
+            xq = xp
+            if h + 1 < STAGES:  # the next sub-tile's x, requested before this one's arithmetic
+                xq = _pair_x(x_ptr, row0 + (h + 1) * SKW + even, k_end)
+            if USE_ASM:
+                acc = wait_copies(STAGES - 1 - h, acc)
+                elem = row_bytes[:, None] + (tl.arange(0, BLOCK_N) * 4)[None, :]
+                we = load_shared(base + 2 * h * SLOT + elem)
+                wo = load_shared(base + (2 * h + 1) * SLOT + elem)
+            else:
+                we = _load_rows(qw_ptr, row0 + h * SKW + even, k_end, N, rn, n_mask)
+                wo = _load_rows(qw_ptr, row0 + h * SKW + even + 1, k_end, N, rn, n_mask)
+            # each sub-tile's arithmetic in a block of its own: ptxas moves a cp.async wait up past
+            # arithmetic in its block, not past a branch (offline SASS); past K it adds nothing
+            if k_start + h * SUB_K < k_end:
+                dots = _pair_dots(we, wo, xp, x_ptr, row0 + h * SKW + even, k_end, HALF, BLOCK_N, USE_ASM)
+                s16, m16 = sc
+                s, m8 = _widen(s16, m16)
+                if GROUP % SUB_K == 0:
+                    acc = _add_one_group(acc, dots, xp[8] + xp[9], s, m8)
+                else:
+                    acc = acc + dots * s + (xp[8] + xp[9])[:, None] * m8
+            xp = xq
+        return acc
+
+    @triton.jit
     def _gemv_w4_m1_kernel(
         x_ptr, qw_ptr, scales_ptr, mins_ptr, out_ptr, partial_ptr, counter_ptr,
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
         PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, DIAG: tl.constexpr,
         ONE_TILE: tl.constexpr = False, EARLY_SCALES: tl.constexpr = False, CLUSTER: tl.constexpr = False,
+        STAGES: tl.constexpr = 1,
     ):
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
         pid_n, pid_k = split_ids(CLUSTER, SPLIT_K)
@@ -285,7 +378,15 @@ if HAS_TRITON:
         # ONE_TILE (k_per_split == BLOCK_K): no loop, so no registers hold a next tile in flight. Kept
         # as its own branch: the loop with its next-tile load switched off instead still keeps the tile
         # live (offline sm_90: 32 x 512 paired 128 -> 174 registers, 8 x 512 x 4 warps 78 -> 168).
-        if PAIR_ROWS:  # even and odd word rows as two tiles of one layout: a thread holds both
+        # STAGES > 1 (with ONE_TILE and PAIR_ROWS; HALFBYTE_GEMV_STAGES, an experiment): _staged_tile.
+        if STAGES > 1:
+            # the sub-tiles' buffer (_staged_bytes) before cluster_combine's partials, at the end
+            FROM_END: tl.constexpr = (2 * STAGES * (BLOCK_KW // STAGES // 2) * BLOCK_N * 4
+                                      + ((SPLIT_K - 1) * BLOCK_N * 4 if CLUSTER else 0))
+            acc = _staged_tile(x_ptr, qw_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask, pid_n, GROUP, BLOCK_KW,
+                               BLOCK_N, STAGES, USE_ASM, PDL, FROM_END)
+            seen = tl.zeros_like(acc).to(tl.int32)
+        elif PAIR_ROWS:  # even and odd word rows as two tiles of one layout: a thread holds both
             even = 2 * tl.arange(0, BLOCK_KW // 2)
             we = _load_rows(qw_ptr, k_start // 8 + even, k_end, N, rn, n_mask)
             wo = _load_rows(qw_ptr, k_start // 8 + even + 1, k_end, N, rn, n_mask)
@@ -380,6 +481,14 @@ _ONE_TILE_ENV = os.environ.get("HALFBYTE_GEMV_ONE_TILE", "0") == "1"
 _EARLY_SCALES_ENV = os.environ.get("HALFBYTE_GEMV_EARLY_SCALES", "0") == "1"
 
 
+_STAGES_ENV = int(os.environ.get("HALFBYTE_GEMV_STAGES", "1"))
+
+
+def _staged_bytes(stages: int, block_kw: int, block_n: int) -> int:
+    """Shared memory for a staged one-tile program's sub-tiles (even and odd rows): the whole tile."""
+    return 2 * stages * (block_kw // stages // 2) * block_n * 4
+
+
 def _use_asm() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -395,7 +504,8 @@ def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
-    one_tile: bool | None = None, early_scales: bool | None = None, cluster: bool | None = None, _diag: int = 0,
+    one_tile: bool | None = None, early_scales: bool | None = None, cluster: bool | None = None,
+    stages: int | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
     one_tile: each program's split is one tile, compiled without the loop (None: where the split is
@@ -405,6 +515,10 @@ def gemv_w4(
     ignored unless the tile lies inside one group or holds whole groups).
     cluster: combine the K splits in a thread-block cluster (cluster.py; None: HALFBYTE_SPLITK_CLUSTER=1;
     an experiment, not yet timed; sm_90+, 2-8 splits, else the counter combine).
+    stages: a one-tile paired split's tile as 2 or 4 sub-tiles staged through shared memory by
+    cp.async, each dotted as it lands (None: HALFBYTE_GEMV_STAGES, default 1; an experiment, not
+    yet timed; ignored unless one_tile and pair_rows, a sub-tile's word pairs a power of two and
+    inside one group or whole groups, N a multiple of 4 and the words 16-byte aligned).
     _diag (bench/gemv.py --diag only; the output is then wrong): 1 skips the split-K combine, 2 also
     the arithmetic (the same loads, XORed): what the combine and the math cost."""
     k = x.shape[1]
@@ -436,13 +550,22 @@ def gemv_w4(
     tile_k = 8 * block_kw  # early scales need the tile inside one group or made of whole groups
     early = one_tile and (_EARLY_SCALES_ENV if early_scales is None else early_scales)
     early = early and (group_size % tile_k == 0 or tile_k % group_size == 0)
+    stages = _STAGES_ENV if stages is None else stages
+    half = block_kw // max(stages, 1) // 2
+    sub_k = 8 * block_kw // max(stages, 1)
+    stages = stages if (stages in (2, 4) and one_tile and pair_rows and block_kw % (2 * stages) == 0
+                        and half & (half - 1) == 0 and (group_size % sub_k == 0 or sub_k % group_size == 0)
+                        and n % 4 == 0 and qweight.data_ptr() % 16 == 0 and _diag != 2) else 1
     args = (x, qweight, scales, mins, out, partial, counters, n, k, k_per_split)
     consts = dict(GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows,
-                  USE_ASM=_use_asm(), DIAG=_diag, ONE_TILE=one_tile, EARLY_SCALES=early, num_warps=num_warps,
-                  num_stages=num_stages, **pdl_args(x.device))
-    if cluster_wanted(x.device, split_k, cluster):
-        launch_clustered(_gemv_w4_m1_kernel, (col_blocks, 1, 1), split_k, partial_bytes(split_k, 1, block_n), *args,
-                         CLUSTER=True, **consts)
+                  USE_ASM=_use_asm(), DIAG=_diag, ONE_TILE=one_tile, EARLY_SCALES=early, STAGES=stages,
+                  num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device))
+    clustered = cluster_wanted(x.device, split_k, cluster)
+    if clustered or (stages > 1 and _use_asm()):  # shared memory of our own (and a cluster launch)
+        extra = (_staged_bytes(stages, block_kw, block_n) if stages > 1 else 0) + (
+            partial_bytes(split_k, 1, block_n) if clustered else 0)
+        launch_with_shared(_gemv_w4_m1_kernel, (col_blocks, 1 if clustered else split_k, 1), extra, *args,
+                           cluster=split_k if clustered else 1, CLUSTER=clustered, **consts)
     else:
         _gemv_w4_m1_kernel[(col_blocks, split_k)](*args, **consts)
     return out
