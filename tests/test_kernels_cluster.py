@@ -1,8 +1,8 @@
 """The split-K combine through a thread-block cluster (halfbyte/kernels/cluster.py).
 
 On the GPU (sm_90+): gemv_w4 and gemm_w4 with the cluster combine against the counter combine
-(bit-identical: the same fp32 partials summed in the same order), against the reference, and
-replayed from a CUDA graph. On the CPU: the cluster kernels compile for sm_90 (ptxas accepts
+(bit-identical: the same fp32 partials summed in the same order), against the reference, with
+gemv_w4's staged sub-tiles beside it in shared memory, and replayed from a CUDA graph. On the CPU: the cluster kernels compile for sm_90 (ptxas accepts
 the PTX) and carry cluster barriers and remote stores instead of the counter atomics, the launch
 helper's argument order, and the mode's guards."""
 
@@ -59,6 +59,24 @@ def test_gemm_w4_cluster_combine(m: int, split_k: int) -> None:
     counter = gemm_w4.gemm_w4(x, qweight, scales, mins, group, cluster=False, **kw)
     _poisoned_next(n, m)
     clustered = gemm_w4.gemm_w4(x, qweight, scales, mins, group, cluster=True, **kw)
+    assert rel_err(clustered, ref) <= 1e-3
+    assert torch.equal(clustered, counter)
+
+
+@needs_hopper
+@pytest.mark.parametrize("stages", [2, 4])
+def test_staged_tiles_with_the_cluster_combine(stages: int) -> None:
+    """gemv_w4's staged one-tile path (its sub-tiles in shared memory before the partials' buffer)
+    with the cluster combine, against the same staged path with the counter combine."""
+    n, k, group = 1000, 4096, 128
+    qweight, scales, mins = random_packed(n, k, 4, group, seed=stages)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(stages)).half().to(DEVICE)
+    ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
+    kw = dict(split_k=2, block_n=32, block_kw=256, pair_rows=True, one_tile=True, stages=stages)
+    _poisoned_next(n)
+    counter = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=False, **kw)
+    _poisoned_next(n)
+    clustered = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=True, **kw)
     assert rel_err(clustered, ref) <= 1e-3
     assert torch.equal(clustered, counter)
 
