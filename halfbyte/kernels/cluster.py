@@ -14,7 +14,16 @@ tile (`split_ids`), the cluster's rank is the split. The partials' buffer is the
 (SPLIT_K - 1) * tile bytes of the dynamic shared memory, added to the kernel's own at launch and
 found from %dynamic_smem_size, so it never overlaps Triton's scratch. PTX only (sm_90+): the
 interpreter has no clusters; the GPU tests check it against the counter combine (bit-identical:
-the same fp32 sums in the same order)."""
+the same fp32 sums in the same order).
+
+Two ways to signal that the partials are in (HALFBYTE_SPLITK_CLUSTER=1 | async):
+- "barrier" (1): remote stores, then a second cluster barrier. Its release arrive compiles to
+  MEMBAR.ALL.GPU (offline SASS): each sender waits for its stores' round trip before arriving.
+- "async" (2): each sender stages its partial in its own shared memory, then sends every 16 bytes
+  once by st.async, which counts them on an mbarrier in rank 0 (complete_tx); rank 0 waits on
+  the mbarrier for (SPLIT_K - 1) tiles' bytes, and the senders exit at once (no fence, no second
+  barrier). Staging because Triton's layouts give several threads copies of an element and the
+  byte count must be exact."""
 
 from __future__ import annotations
 
@@ -27,16 +36,26 @@ from halfbyte.kernels.shared_memory import shared_tail
 from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
 
 MAX_CLUSTER = 8  # the portable cluster size; 16 needs a non-portable opt-in per kernel
+OFF, BARRIER, ASYNC = 0, 1, 2  # the kernels' CLUSTER constexpr
+_MODES = {"0": OFF, "": OFF, "1": BARRIER, "barrier": BARRIER, "2": ASYNC, "async": ASYNC}
+MBARRIER_BYTES = 16  # the tail's last bytes: ASYNC's mbarrier (kept in both modes: one layout)
 
 
-def cluster_wanted(device: torch.device, split_k: int, cluster: bool | None = None) -> bool:
-    """Whether a split-K launch combines through a cluster: asked for (None:
-    HALFBYTE_SPLITK_CLUSTER=1, an experiment, off by default), on sm_90+, 2-8 splits."""
+def cluster_mode(device: torch.device, split_k: int, cluster: bool | str | None = None, tile_elems: int = 0) -> int:
+    """How a split-K launch combines: OFF (the counter combine), BARRIER or ASYNC through a cluster.
+    cluster: True / "barrier", "async", False; None: HALFBYTE_SPLITK_CLUSTER (1 | async; an
+    experiment, off by default). A cluster needs sm_90+ and 2-8 splits; ASYNC sends 16 bytes at a
+    time, so a tile of tile_elems fp32 (a multiple of 4) or it falls back to BARRIER."""
     if cluster is None:
-        cluster = os.environ.get("HALFBYTE_SPLITK_CLUSTER", "0") == "1"
-    if not cluster or not 2 <= split_k <= MAX_CLUSTER or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return False
-    return device.type == "cuda" and _has_clusters(device.index if device.index is not None else torch.cuda.current_device())
+        cluster = os.environ.get("HALFBYTE_SPLITK_CLUSTER", "0")
+    mode = BARRIER if cluster is True else OFF if cluster is False else _MODES.get(str(cluster).lower())
+    if mode is None:
+        raise ValueError(f"HALFBYTE_SPLITK_CLUSTER / cluster must be 0, 1, barrier or async, got {cluster!r}")
+    if not mode or not 2 <= split_k <= MAX_CLUSTER or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return OFF
+    if device.type != "cuda" or not _has_clusters(device.index if device.index is not None else torch.cuda.current_device()):
+        return OFF
+    return BARRIER if mode == ASYNC and tile_elems % 4 else mode
 
 
 @functools.cache
@@ -45,8 +64,9 @@ def _has_clusters(device_index: int) -> bool:
 
 
 def partial_bytes(split_k: int, block_m: int, block_n: int) -> int:
-    """Rank 0's buffer for the other splits' fp32 partials of one [block_m, block_n] tile."""
-    return (split_k - 1) * block_m * block_n * 4
+    """The tail a cluster launch adds: rank 0's buffer for the other splits' fp32 partials of one
+    [block_m, block_n] tile, then the mbarrier's 16 bytes."""
+    return (split_k - 1) * block_m * block_n * 4 + MBARRIER_BYTES
 
 
 if HAS_TRITON:
@@ -56,7 +76,16 @@ if HAS_TRITON:
         """(pid_n, pid_k) of a split-K launch: grid (tiles, splits) or, CLUSTER, (tiles x splits)
         with the splits of a tile consecutive (one cluster). CLUSTER also arrives at the cluster
         barrier's first phase, which cluster_combine waits on before touching another CTA."""
-        if CLUSTER:
+        if CLUSTER == 2:  # ASYNC: rank 0's thread 0 sets up the mbarrier first (count 1: its own arrive)
+            p = tl.program_id(0)
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .u32 t, r, a; mov.u32 t, %tid.x; mov.u32 r, %cluster_ctarank; or.b32 t, t, r;"
+                " setp.eq.u32 p, t, 0; mov.u32 a, global_smem; mov.u32 t, %dynamic_smem_size; add.u32 a, a, t;"
+                " sub.u32 a, a, 16; @p mbarrier.init.shared::cta.b64 [a], 1; fence.mbarrier_init.release.cluster;"
+                " barrier.cluster.arrive.relaxed; mov.u32 $0, 0; }", "=r,r", [p],
+                dtype=tl.int32, is_pure=False, pack=1)
+            return p // SPLIT_K, p % SPLIT_K
+        elif CLUSTER:
             p = tl.program_id(0)
             tl.inline_asm_elementwise("barrier.cluster.arrive.relaxed;\nmov.u32 $0, 0;", "=r,r", [p],
                                       dtype=tl.int32, is_pure=False, pack=1)
@@ -77,24 +106,59 @@ if HAS_TRITON:
                                   dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def cluster_combine(acc, out_ptr, offs, mask, pid_k, SPLIT_K: tl.constexpr):
+    def _send_async(base, to, SLOT: tl.constexpr, MBAR: tl.constexpr):
+        """SLOT bytes at shared base (this CTA) to base + to in rank 0 by st.async, 16 bytes per
+        thread and step, each counted on rank 0's mbarrier at base + MBAR."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 i, step, src, dst, bar, d0, d1, d2, d3;"
+            " mov.u32 i, %tid.x; shl.b32 i, i, 4; mov.u32 step, %ntid.x; shl.b32 step, step, 4;"
+            " add.u32 bar, $1, $4; mapa.shared::cluster.u32 bar, bar, 0;"
+            " SEND: setp.ge.u32 p, i, $3; @p bra SENT;"
+            " add.u32 src, $1, i; ld.shared.v4.b32 {d0, d1, d2, d3}, [src];"
+            " add.u32 dst, src, $2; mapa.shared::cluster.u32 dst, dst, 0;"
+            " st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [dst], {d0, d1, d2, d3}, [bar];"
+            " add.u32 i, i, step; bra SEND; SENT: mov.u32 $0, 0; }",
+            "=r,r,r,r,r", [base, to, base * 0 + SLOT, base * 0 + MBAR], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _wait_bytes(bar, BYTES: tl.constexpr):
+        """Rank 0: thread 0 arrives at the mbarrier at shared bar expecting BYTES; every thread
+        waits for its phase 0 (the arrive and all the bytes), acquiring what they wrote."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;"
+            " @p mbarrier.arrive.expect_tx.shared::cta.b64 _, [$1], $2;"
+            " WAIT: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 q, [$1], 0; @!q bra WAIT;"
+            " mov.u32 $0, 0; }", "=r,r,r", [bar, bar * 0 + BYTES], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def cluster_combine(acc, out_ptr, offs, mask, pid_k, SPLIT_K: tl.constexpr, CLUSTER: tl.constexpr = 1):
         """Sum acc [BM, BN] fp32 over the SPLIT_K CTAs of this cluster (rank = pid_k) and store it
-        at out_ptr + offs (mask) from rank 0. Every thread of every CTA gets here once."""
+        at out_ptr + offs (mask) from rank 0. Every thread of every CTA gets here once.
+        CLUSTER: 1 BARRIER, 2 ASYNC (the module's doc)."""
         BM: tl.constexpr = acc.shape[0]
         BN: tl.constexpr = acc.shape[1]
         SLOT: tl.constexpr = BM * BN * 4
         elem = (tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]) * 4
-        base = shared_tail((SPLIT_K - 1) * SLOT, pid_k)  # the last bytes of the dynamic shared memory
-        _wait_acquire(pid_k)  # phase 0 (arrived in split_ids): every CTA has started
+        # the last bytes of the dynamic shared memory: the partials, then the mbarrier
+        base = shared_tail((SPLIT_K - 1) * SLOT + 16, pid_k)
+        _wait_acquire(pid_k)  # phase 0 (arrived in split_ids): every CTA has started (ASYNC: the mbarrier is set)
         if pid_k > 0:
-            addr = base + (pid_k - 1) * SLOT + elem
-            tl.inline_asm_elementwise(
-                "{ .reg .u32 r; mapa.shared::cluster.u32 r, $1, 0; st.shared::cluster.f32 [r], $2; mov.u32 $0, 0; }",
-                "=r,r,f", [addr, acc], dtype=tl.int32, is_pure=False, pack=1)
-            _arrive_release(pid_k)  # phase 1: our partial is in rank 0; exiting is allowed
+            if CLUSTER == 2:  # staged in our own first slot (copies of an element write the same value)
+                tl.inline_asm_elementwise("st.shared.f32 [$1], $2;\nmov.u32 $0, 0;", "=r,r,f", [base + elem, acc],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+                tl.debug_barrier()
+                _send_async(base, (pid_k - 1) * SLOT, SLOT, (SPLIT_K - 1) * SLOT)
+            else:
+                tl.inline_asm_elementwise(
+                    "{ .reg .u32 r; mapa.shared::cluster.u32 r, $1, 0; st.shared::cluster.f32 [r], $2; mov.u32 $0, 0; }",
+                    "=r,r,f", [base + (pid_k - 1) * SLOT + elem, acc], dtype=tl.int32, is_pure=False, pack=1)
+                _arrive_release(pid_k)  # phase 1: our partial is in rank 0; exiting is allowed
         else:
-            _arrive_release(pid_k)
-            _wait_acquire(pid_k)  # phase 1 done: every partial is in our shared memory
+            if CLUSTER == 2:
+                _wait_bytes(base + (SPLIT_K - 1) * SLOT, (SPLIT_K - 1) * SLOT)
+            else:
+                _arrive_release(pid_k)
+                _wait_acquire(pid_k)  # phase 1 done: every partial is in our shared memory
             total = acc
             for s in tl.static_range(1, SPLIT_K):
                 total += tl.inline_asm_elementwise("ld.shared.f32 $0, [$1];", "=f,r", [base + (s - 1) * SLOT + elem],

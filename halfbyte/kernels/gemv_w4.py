@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from halfbyte.kernels.cluster import cluster_wanted, partial_bytes, split_ids
+from halfbyte.kernels.cluster import cluster_mode, partial_bytes, split_ids
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
 from halfbyte.kernels.shared_memory import (commit_copies, copy_rows_async, launch_with_shared, load_shared, shared_tail,
                                             wait_copies)
@@ -360,7 +360,7 @@ if HAS_TRITON:
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
         PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, DIAG: tl.constexpr,
-        ONE_TILE: tl.constexpr = False, EARLY_SCALES: tl.constexpr = False, CLUSTER: tl.constexpr = False,
+        ONE_TILE: tl.constexpr = False, EARLY_SCALES: tl.constexpr = False, CLUSTER: tl.constexpr = 0,
         STAGES: tl.constexpr = 1,
     ):
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
@@ -382,7 +382,7 @@ if HAS_TRITON:
         if STAGES > 1:
             # the sub-tiles' buffer (_staged_bytes) before cluster_combine's partials, at the end
             FROM_END: tl.constexpr = (2 * STAGES * (BLOCK_KW // STAGES // 2) * BLOCK_N * 4
-                                      + ((SPLIT_K - 1) * BLOCK_N * 4 if CLUSTER else 0))
+                                      + ((SPLIT_K - 1) * BLOCK_N * 4 + 16 if CLUSTER else 0))  # cluster.partial_bytes
             acc = _staged_tile(x_ptr, qw_ptr, scales_ptr, mins_ptr, k_start, k_end, N, rn, n_mask, pid_n, GROUP, BLOCK_KW,
                                BLOCK_N, STAGES, USE_ASM, PDL, FROM_END)
             seen = tl.zeros_like(acc).to(tl.int32)
@@ -504,7 +504,7 @@ def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
-    one_tile: bool | None = None, early_scales: bool | None = None, cluster: bool | None = None,
+    one_tile: bool | None = None, early_scales: bool | None = None, cluster: bool | str | None = None,
     stages: int | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
@@ -513,8 +513,8 @@ def gemv_w4(
     early_scales: with one_tile, request the tile's scales and mins before the PDL wait, with its
     words, one row per group (None: HALFBYTE_GEMV_EARLY_SCALES=1; an experiment, not yet timed;
     ignored unless the tile lies inside one group or holds whole groups).
-    cluster: combine the K splits in a thread-block cluster (cluster.py; None: HALFBYTE_SPLITK_CLUSTER=1;
-    an experiment, not yet timed; sm_90+, 2-8 splits, else the counter combine).
+    cluster: combine the K splits in a thread-block cluster, True / "barrier" or "async" (cluster.py; None:
+    HALFBYTE_SPLITK_CLUSTER=1|async; an experiment, not yet timed; sm_90+, 2-8 splits, else the counter combine).
     stages: a one-tile paired split's tile as 2 or 4 sub-tiles staged through shared memory by
     cp.async, each dotted as it lands (None: HALFBYTE_GEMV_STAGES, default 1; an experiment, not
     yet timed; ignored unless one_tile and pair_rows, a sub-tile's word pairs a power of two and
@@ -560,7 +560,7 @@ def gemv_w4(
     consts = dict(GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows,
                   USE_ASM=_use_asm(), DIAG=_diag, ONE_TILE=one_tile, EARLY_SCALES=early, STAGES=stages,
                   num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device))
-    clustered = cluster_wanted(x.device, split_k, cluster)
+    clustered = cluster_mode(x.device, split_k, cluster, block_n)
     if clustered or (stages > 1 and _use_asm()):  # shared memory of our own (and a cluster launch)
         extra = (_staged_bytes(stages, block_kw, block_n) if stages > 1 else 0) + (
             partial_bytes(split_k, 1, block_n) if clustered else 0)
