@@ -25,6 +25,7 @@ the PTX path. The reference is quant_matmul.quant_matmul_ref."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -475,6 +476,15 @@ _M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int, bool]] = 
     # a 4-bit Llama-3 LM head (convert --head-bits 4): bench/gemv.py --sweep-b1 --pairs, H100, 134 -> 112 us
     (128256, 4096): (64, 32, 8, 2, 4, True),  # 8B head
 }
+# Hopper (sm_90+, compiled, not interpreted): entries that use its cluster launch or the staged
+# one-tile path and beat the plain table there (H100, 2026-12-08, bench/gemv.py --stages /
+# --sweep-cluster --cluster-mode async): the table's fields, then gemv_w4's stages and cluster.
+# HALFBYTE_GEMV_HOPPER=0 keeps the plain table (A/B runs).
+_M1_TUNED_HOPPER: dict[tuple[int, int], tuple[tuple[int, int, int | None, int, int, bool], int, str | bool]] = {
+    (4096, 4096): ((16, 512, 1, 2, 8, True), 2, False),  # 8B o: tile in 2 staged sub-tiles, 5.86 -> 5.08 us
+    (8192, 8192): ((32, 128, 2, 2, 8, True), 1, "async"),  # 70B o: split 2 combined in a cluster, 16.37 -> 14.58 us
+}
+_HOPPER_ENV = os.environ.get("HALFBYTE_GEMV_HOPPER", "1") != "0"
 # HALFBYTE_GEMV_PAIRS=0 / 1 forces pair_rows off / on for every shape (A/B runs)
 _PAIRS_ENV = os.environ.get("HALFBYTE_GEMV_PAIRS")
 _ONE_TILE_ENV = os.environ.get("HALFBYTE_GEMV_ONE_TILE", "0") == "1"
@@ -491,6 +501,15 @@ def _staged_bytes(stages: int, block_kw: int, block_n: int) -> int:
 
 def _use_asm() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+@functools.cache
+def _hopper_index(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and _hopper_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
@@ -526,6 +545,11 @@ def gemv_w4(
     n = qweight.shape[1]
     assert (k // 8) * n < 2**31, "word offsets are int32"
     tuned = _M1_TUNED.get((n, k))
+    hopper = _M1_TUNED_HOPPER.get((n, k)) if _HOPPER_ENV and _use_asm() and _is_hopper(x.device) else None
+    if hopper is not None and block_n is None and block_kw is None and split_k is None:
+        tuned = hopper[0]
+        stages = hopper[1] if stages is None else stages
+        cluster = hopper[2] if cluster is None else cluster
     if tuned is None:  # untuned shapes. Large: the chained bench's best single config over the four
         # 70B tp2 shards (within 7% of each one's best there; the 70B shard's decode step 9.5-9.6 ms
         # with it for all four, 10.2-10.3 with the earlier default, 70B o's winner)
