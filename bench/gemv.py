@@ -138,12 +138,10 @@ def main() -> None:
                     "too (gemv_w4 _diag 1 / 2: timing only, wrong outputs): what each costs")
     ap.add_argument("--cluster", action="store_true",
                     help="one and 16 rows: the tuned configs with the split-K combine through a thread-block cluster "
-                    "(kernels/cluster.py), barrier and async, beside the counter combine, same call (no change where there is no split)")
+                    "(kernels/cluster.py) beside the counter combine, same call (no change where there is no split)")
     ap.add_argument("--sweep-cluster", action="store_true",
                     help="one and 16 rows: K splits of 2-8 combined through a thread-block cluster, a few tiles each "
                     "(cheap combines may make splits win where the counter combine lost)")
-    ap.add_argument("--cluster-mode", default="barrier", choices=("barrier", "async"),
-                    help="how --sweep-cluster's and --stages' cluster splits signal their partials (kernels/cluster.py)")
     ap.add_argument("--stages", action="store_true",
                     help="one row: one-tile paired configs with their tile as 2 / 4 sub-tiles staged through shared "
                     "memory (gemv_w4 stages), beside the same configs unstaged and the tuned one, same call")
@@ -225,20 +223,20 @@ def main() -> None:
                 grid1 += nosplit_configs(k)
             if args.stages:  # whole-K one-tile programs (no split, no combine) and 2-way cluster splits
                 grid1 += [dict(block_n=bn, block_kw=k // 8 // sk, split_k=sk, num_warps=w, pair_rows=True, one_tile=True,
-                               stages=st, **({"cluster": args.cluster_mode} if sk > 1 else {}))
+                               stages=st, **({"cluster": True} if sk > 1 else {}))
                           for bn, w, sk, st in itertools.product((16, 32), (4, 8), (1, 2), (1, 2, 4))
                           if (k // 8 // sk) & (k // 8 // sk - 1) == 0 and bn * k // 8 // sk <= 16384]
             grid16 = list(grid_m)
             if args.sweep_cluster:
-                grid1 += [dict(block_n=bn, block_kw=kw, num_warps=w, split_k=sk, pair_rows=True, cluster=args.cluster_mode)
+                grid1 += [dict(block_n=bn, block_kw=kw, num_warps=w, split_k=sk, pair_rows=True, cluster=True)
                           for (bn, kw, w), sk in itertools.product(CLUSTER_TILES_B1, (2, 4, 8))]
                 # each split one tile, several small programs per SM: one program's arithmetic can run
                 # while the others' words still arrive (one 64 KB program per SM waits for all of them)
                 grid1 += [dict(block_n=bn, block_kw=k // 8 // sk, num_warps=w, split_k=sk, pair_rows=True, one_tile=True,
-                               cluster=args.cluster_mode)
+                               cluster=True)
                           for bn, w, sk in itertools.product((16, 32), (4, 8), (2, 4, 8))
                           if (k // 8) % sk == 0 and (k // 8 // sk) & (k // 8 // sk - 1) == 0 and bn * k // 8 // sk <= 16384]
-                grid16 += [dict(block_n=bn, block_kw=kw, split_k=sk, cluster=args.cluster_mode)
+                grid16 += [dict(block_n=bn, block_kw=kw, split_k=sk, cluster=True)
                            for (bn, kw), sk in itertools.product(((64, 16), (64, 32), (128, 16)), (2, 4, 8))]
             if args.sweep_b16:
                 grid16 += [dict(block_n=bn, block_kw=kw, split_k=sk, num_warps=w, num_stages=st) for bn, kw, sk, st, w in
@@ -265,7 +263,7 @@ def main() -> None:
                     rotated_time(lambda q, s_, m_, d=d: new(x1, q, s_, m_, **cfg, _diag=d), copies) * 1e6 for d in (1, 2)]
                 row["diag16_us"] = [w16 * 1e6] + [
                     rotated_time(lambda q, s_, m_, d=d: mma(x16, q, s_, m_, **cfg16, _diag=d), copies) * 1e6 for d in (1, 2, 3, 4)]
-            if args.cluster:  # counter, barrier, async, twice: the same configs, the same copies, checked
+            if args.cluster:  # counter, cluster, twice: the same configs, the same copies, checked
                 times = [pick(fn, [{**c, "cluster": mode}], x, ref, f"w4 cluster={mode}")
                          for fn, c, x, ref in ((new, cfg, x1, ref1), (mma, cfg16, x16, ref16)) for mode in CLUSTER_MODES * 2]
                 row["cluster_us"] = [t[1] * 1e6 if t else None for t in times]  # b1 then b16, CLUSTER_MODES twice each
@@ -327,8 +325,8 @@ def main() -> None:
                     f"{b['us']:.1f} us {b['cfg']['block_n']}x{b['cfg']['block_kw']}x{b['cfg']['num_warps']} split {b['cfg']['split_k']}"
                     if b else "-" for b in best.values()))
     if args.cluster:
-        print("split-K combine, tuned configs, counter / cluster barrier / cluster async (two each, us): " + ", ".join(
-            f"{r['shape']} b1 {_modes(r['cluster_us'][0:6])} b16 {_modes(r['cluster_us'][6:12])}" for r in rows if "cluster_us" in r))
+        print("split-K combine, tuned configs, counter / cluster (two each, us): " + ", ".join(
+            f"{r['shape']} b1 {_modes(r['cluster_us'][0:4])} b16 {_modes(r['cluster_us'][4:8])}" for r in rows if "cluster_us" in r))
     if args.one_tile:
         print_one_tile(rows)
     if args.sweep_b16_nosplit:
@@ -369,7 +367,7 @@ def nosplit_configs(k: int) -> list[dict[str, Any]]:
 CLUSTER_TILES_B1 = ((32, 64, 4), (64, 32, 4), (64, 64, 8), (128, 32, 8), (32, 128, 8))
 
 
-CLUSTER_MODES = (False, "barrier", "async")
+CLUSTER_MODES = (False, True)  # the counter combine, the cluster's
 
 
 def _modes(us: list[float | None]) -> str:

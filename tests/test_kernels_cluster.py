@@ -1,11 +1,11 @@
 """The split-K combine through a thread-block cluster (halfbyte/kernels/cluster.py).
 
-On the GPU (sm_90+): gemv_w4 and gemm_w4 with the cluster combine, both ways of signalling
-(barrier, async), against the counter combine (bit-identical: the same fp32 partials summed in
-the same order), against the reference, with gemv_w4's staged sub-tiles beside it in shared
-memory, and replayed from a CUDA graph. On the CPU: the cluster kernels compile for sm_90 (ptxas
-accepts the PTX) and carry cluster barriers and remote stores (or st.async and an mbarrier)
-instead of the counter atomics, the launch helper's argument order, and the mode's guards."""
+On the GPU (sm_90+): gemv_w4 and gemm_w4 with the cluster combine against the counter combine
+(bit-identical: the same fp32 partials summed in the same order), against the reference, with
+gemv_w4's staged sub-tiles beside it in shared memory, and replayed from a CUDA graph. On the
+CPU: the cluster kernels compile for sm_90 (ptxas accepts the PTX) and carry a cluster barrier,
+st.async and an mbarrier instead of the counter atomics, the launch helper's argument order, and
+the mode's guards."""
 
 from __future__ import annotations
 
@@ -31,14 +31,10 @@ def _poisoned_next(n: int, m: int = 1) -> None:
     torch.empty(m, n, dtype=torch.float16, device=DEVICE).fill_(float("nan"))  # the allocator's next block
 
 
-MODES = ["barrier", "async"]
-
-
 @needs_hopper
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("split_k", [2, 3, 4, 8])
 @pytest.mark.parametrize("pairs", [False, True])
-def test_gemv_w4_cluster_combine(split_k: int, pairs: bool, mode: str) -> None:
+def test_gemv_w4_cluster_combine(split_k: int, pairs: bool) -> None:
     n, k, group = 1000, 4096, 128  # 1000: the last column block partly past N
     qweight, scales, mins = random_packed(n, k, 4, group, seed=split_k)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(split_k)).half().to(DEVICE)
@@ -47,15 +43,14 @@ def test_gemv_w4_cluster_combine(split_k: int, pairs: bool, mode: str) -> None:
     _poisoned_next(n)
     counter = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=False, **kw)
     _poisoned_next(n)
-    clustered = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=mode, **kw)
+    clustered = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=True, **kw)
     assert rel_err(clustered, ref) <= 1e-3
     assert torch.equal(clustered, counter)
 
 
 @needs_hopper
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("m,split_k", [(2, 2), (5, 3), (16, 4), (16, 8)])
-def test_gemm_w4_cluster_combine(m: int, split_k: int, mode: str) -> None:
+def test_gemm_w4_cluster_combine(m: int, split_k: int) -> None:
     n, k, group = 200, 4096, 128
     qweight, scales, mins = random_packed(n, k, 4, group, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().to(DEVICE)
@@ -64,15 +59,14 @@ def test_gemm_w4_cluster_combine(m: int, split_k: int, mode: str) -> None:
     _poisoned_next(n, m)
     counter = gemm_w4.gemm_w4(x, qweight, scales, mins, group, cluster=False, **kw)
     _poisoned_next(n, m)
-    clustered = gemm_w4.gemm_w4(x, qweight, scales, mins, group, cluster=mode, **kw)
+    clustered = gemm_w4.gemm_w4(x, qweight, scales, mins, group, cluster=True, **kw)
     assert rel_err(clustered, ref) <= 1e-3
     assert torch.equal(clustered, counter)
 
 
 @needs_hopper
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("stages", [2, 4])
-def test_staged_tiles_with_the_cluster_combine(stages: int, mode: str) -> None:
+def test_staged_tiles_with_the_cluster_combine(stages: int) -> None:
     """gemv_w4's staged one-tile path (its sub-tiles in shared memory before the partials' buffer)
     with the cluster combine, against the same staged path with the counter combine."""
     n, k, group = 1000, 4096, 128
@@ -83,20 +77,19 @@ def test_staged_tiles_with_the_cluster_combine(stages: int, mode: str) -> None:
     _poisoned_next(n)
     counter = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=False, **kw)
     _poisoned_next(n)
-    clustered = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=mode, **kw)
+    clustered = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=True, **kw)
     assert rel_err(clustered, ref) <= 1e-3
     assert torch.equal(clustered, counter)
 
 
 @needs_hopper
-@pytest.mark.parametrize("mode", MODES)
-def test_cluster_combine_in_a_cuda_graph(mode: str) -> None:
+def test_cluster_combine_in_a_cuda_graph() -> None:
     """Decode replays its GEMVs from CUDA graphs: the cluster launch must capture and replay
-    (ASYNC: the mbarrier set up again each replay)."""
+    (the mbarrier set up again each replay)."""
     n, k, group = 512, 2048, 128
     qweight, scales, mins = random_packed(n, k, 4, group, seed=7)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)).half().to(DEVICE)
-    kw = dict(split_k=4, block_n=64, block_kw=16, cluster=mode)
+    kw = dict(split_k=4, block_n=64, block_kw=16, cluster=True)
     gemv_w4.gemv_w4(x, qweight, scales, mins, group, **kw)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -122,7 +115,7 @@ def compile90(fn, sig, consts, warps, stages):
     src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
-use = {"counter": 0, "cluster": 1, "staged": 1, "async": 2}[sys.argv[1]]
+use = sys.argv[1] != "counter"
 stages = 4 if sys.argv[1] == "staged" else 1
 ptrs = {"qw_ptr": "*i32", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": "*fp16", "partial_ptr": "*fp32",
         "counter_ptr": "*i32"}
@@ -155,20 +148,18 @@ def _offline(variant: str) -> dict:
     return json.loads(run.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("variant", ["counter", "cluster", "staged", "async"])
+@pytest.mark.parametrize("variant", ["counter", "cluster", "staged"])
 def test_kernels_compile_for_sm90(variant: str) -> None:
-    """Offline (no GPU needed; ptxas must accept the PTX): with CLUSTER the combine is cluster
-    barriers, remote shared-memory stores and local loads, with no counter atomics left (async:
-    st.async counted on an mbarrier instead of the remote stores and second barrier); without it,
-    the counter combine; "staged" adds gemv_w4's cp.async sub-tiles (STAGES=4: four groups, waits
+    """Offline (no GPU needed; ptxas must accept the PTX): with CLUSTER the combine is a cluster
+    barrier, st.async counted on an mbarrier and local loads, with no counter atomics left; without
+    it, the counter combine; "staged" adds gemv_w4's cp.async sub-tiles (STAGES=4: four groups, waits
     from 3 down to 0). Also launch_with_shared's arguments: every parameter in kernel order,
     defaults filled in, a missing one named."""
     got = _offline(variant)
     use_cluster = variant != "counter"
     for ptx in got["ptx"]:
         assert ("barrier.cluster.wait" in ptx) == use_cluster
-        assert ("st.shared::cluster.f32" in ptx) == (variant in ("cluster", "staged"))
-        assert ("st.async" in ptx) == ("mbarrier.try_wait" in ptx) == (variant == "async")
+        assert ("st.async" in ptx) == ("mbarrier.try_wait" in ptx) == use_cluster
         assert ("atom." in ptx) == (not use_cluster)
     gemv_ptx = got["ptx"][0]
     assert gemv_ptx.count("cp.async.commit_group") == (4 if variant == "staged" else 0)
@@ -181,19 +172,14 @@ def test_kernels_compile_for_sm90(variant: str) -> None:
 
 def test_cluster_mode_guards(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    assert cluster.cluster_mode(cpu, 4, True) == cluster.cluster_mode(cpu, 4, "async") == cluster.OFF  # no GPU
+    assert not cluster.cluster_wanted(cpu, 4, True)  # no GPU
     monkeypatch.setenv("HALFBYTE_SPLITK_CLUSTER", "1")
-    assert cluster.cluster_mode(cpu, 4) == cluster.OFF
-    with pytest.raises(ValueError, match="HALFBYTE_SPLITK_CLUSTER.*'yes'"):
-        cluster.cluster_mode(cpu, 4, "yes")
+    assert not cluster.cluster_wanted(cpu, 4)
     if HOPPER:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        assert cluster.cluster_mode(DEVICE, 4) == cluster.cluster_mode(DEVICE, 8, True) == cluster.BARRIER
-        assert cluster.cluster_mode(DEVICE, 4, "async", 64) == cluster.ASYNC
-        assert cluster.cluster_mode(DEVICE, 4, "async", 6) == cluster.BARRIER  # 16-byte sends need 4 | tile
-        monkeypatch.setenv("HALFBYTE_SPLITK_CLUSTER", "async")
-        assert cluster.cluster_mode(DEVICE, 2, None, 16) == cluster.ASYNC
-        assert cluster.cluster_mode(DEVICE, 1, True) == cluster.OFF  # nothing to combine
-        assert cluster.cluster_mode(DEVICE, 9, True) == cluster.OFF  # past the portable cluster size
-        assert cluster.cluster_mode(DEVICE, 4, False) == cluster.OFF
+        assert cluster.cluster_wanted(DEVICE, 4) and cluster.cluster_wanted(DEVICE, 8, True, 64)
+        assert not cluster.cluster_wanted(DEVICE, 4, True, 6)  # 16-byte sends need a tile of 4k fp32
+        assert not cluster.cluster_wanted(DEVICE, 1, True)  # nothing to combine
+        assert not cluster.cluster_wanted(DEVICE, 9, True)  # past the portable cluster size
+        assert not cluster.cluster_wanted(DEVICE, 4, False)
     assert cluster.partial_bytes(8, 1, 64) == 7 * 64 * 4 + 16  # the partials, then the mbarrier

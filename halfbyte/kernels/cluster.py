@@ -3,27 +3,25 @@ the CTAs of one cluster and sum their fp32 partials in rank 0's shared memory (d
 shared memory), instead of through global partials, a fence and a counter atomic.
 
 Why: the counter combine (quant_gemv._write_out) costs each split-K GEMV ~3 serial L2 round
-trips at its end, 1.3-1.6 us of 14-16 us on 8B down and 70B o at one row and 1.7-5.7 us at 16
-rows (H100, `bench/gemv.py --diag`, BENCHMARKS.md). Here a split's partial goes to rank 0 by
-remote shared-memory stores and one cluster barrier; rank 0 adds them in its own shared memory.
+trips at its end, 1.3-1.6 us of 14-16 us on 8B down and 70B o at one row (H100, `bench/gemv.py
+--diag`, BENCHMARKS.md). With it, 70B o at one row runs a 2-way split of 32 x 128 words in 14.6 us
+against the counter table's 16.4 (82% of the copy bandwidth, H100, 2026-12-08); where the tuned
+split is wider it loses (8B down 14.7 -> 14.8, 16 rows 8B o 10.1 -> 12.5), so gemv_w4 uses it only
+for the shapes its Hopper table names, or when asked (cluster=True, HALFBYTE_SPLITK_CLUSTER=1).
 
 How: Triton 3.6 compiles cluster layouts (num_ctas) for whole-cluster programs and cannot reduce
 across CTAs, so the kernel is compiled as usual (one CTA a program) and only its launch is made a
-cluster launch (shared_memory.launch_with_shared): the grid's x holds SPLIT_K consecutive programs per output
-tile (`split_ids`), the cluster's rank is the split. The partials' buffer is the last
-(SPLIT_K - 1) * tile bytes of the dynamic shared memory, added to the kernel's own at launch and
-found from %dynamic_smem_size, so it never overlaps Triton's scratch. PTX only (sm_90+): the
-interpreter has no clusters; the GPU tests check it against the counter combine (bit-identical:
-the same fp32 sums in the same order).
-
-Two ways to signal that the partials are in (HALFBYTE_SPLITK_CLUSTER=1 | async):
-- "barrier" (1): remote stores, then a second cluster barrier. Its release arrive compiles to
-  MEMBAR.ALL.GPU (offline SASS): each sender waits for its stores' round trip before arriving.
-- "async" (2): each sender stages its partial in its own shared memory, then sends every 16 bytes
-  once by st.async, which counts them on an mbarrier in rank 0 (complete_tx); rank 0 waits on
-  the mbarrier for (SPLIT_K - 1) tiles' bytes, and the senders exit at once (no fence, no second
-  barrier). Staging because Triton's layouts give several threads copies of an element and the
-  byte count must be exact."""
+cluster launch (shared_memory.launch_with_shared): the grid's x holds SPLIT_K consecutive programs
+per output tile (`split_ids`), the cluster's rank is the split. The tail of the dynamic shared
+memory (added at launch, found from %dynamic_smem_size, never Triton's scratch) holds rank 0's
+buffer for the other splits' partials, then an mbarrier. Each sender stages its partial in its own
+shared memory and sends every 16 bytes once by st.async, which counts them on rank 0's mbarrier
+(complete_tx); rank 0 waits for (SPLIT_K - 1) tiles' bytes and sums, the senders exit at once.
+Staging because Triton's layouts give several threads copies of an element and the byte count
+must be exact. (Remote stores and a second cluster barrier instead were 14-150% slower, H100: the
+barrier's release arrive compiles to MEMBAR.ALL.GPU.) PTX only (sm_90+): the interpreter has no
+clusters; the GPU tests check it against the counter combine (bit-identical: the same fp32 sums in
+the same order)."""
 
 from __future__ import annotations
 
@@ -36,26 +34,18 @@ from halfbyte.kernels.shared_memory import shared_tail
 from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
 
 MAX_CLUSTER = 8  # the portable cluster size; 16 needs a non-portable opt-in per kernel
-OFF, BARRIER, ASYNC = 0, 1, 2  # the kernels' CLUSTER constexpr
-_MODES = {"0": OFF, "": OFF, "1": BARRIER, "barrier": BARRIER, "2": ASYNC, "async": ASYNC}
-MBARRIER_BYTES = 16  # the tail's last bytes: ASYNC's mbarrier (kept in both modes: one layout)
+MBARRIER_BYTES = 16  # the tail's last bytes: rank 0's mbarrier
 
 
-def cluster_mode(device: torch.device, split_k: int, cluster: bool | str | None = None, tile_elems: int = 0) -> int:
-    """How a split-K launch combines: OFF (the counter combine), BARRIER or ASYNC through a cluster.
-    cluster: True / "barrier", "async", False; None: HALFBYTE_SPLITK_CLUSTER (1 | async; an
-    experiment, off by default). A cluster needs sm_90+ and 2-8 splits; ASYNC sends 16 bytes at a
-    time, so a tile of tile_elems fp32 (a multiple of 4) or it falls back to BARRIER."""
+def cluster_wanted(device: torch.device, split_k: int, cluster: bool | None = None, tile_elems: int = 4) -> bool:
+    """Whether a split-K launch combines through a cluster: asked for (None:
+    HALFBYTE_SPLITK_CLUSTER=1, off by default), on sm_90+, 2-8 splits, a tile of tile_elems fp32
+    in whole 16-byte sends (a multiple of 4)."""
     if cluster is None:
-        cluster = os.environ.get("HALFBYTE_SPLITK_CLUSTER", "0")
-    mode = BARRIER if cluster is True else OFF if cluster is False else _MODES.get(str(cluster).lower())
-    if mode is None:
-        raise ValueError(f"HALFBYTE_SPLITK_CLUSTER / cluster must be 0, 1, barrier or async, got {cluster!r}")
-    if not mode or not 2 <= split_k <= MAX_CLUSTER or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return OFF
-    if device.type != "cuda" or not _has_clusters(device.index if device.index is not None else torch.cuda.current_device()):
-        return OFF
-    return BARRIER if mode == ASYNC and tile_elems % 4 else mode
+        cluster = os.environ.get("HALFBYTE_SPLITK_CLUSTER", "0") == "1"
+    if not cluster or not 2 <= split_k <= MAX_CLUSTER or tile_elems % 4 or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    return device.type == "cuda" and _has_clusters(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
@@ -65,7 +55,7 @@ def _has_clusters(device_index: int) -> bool:
 
 def partial_bytes(split_k: int, block_m: int, block_n: int) -> int:
     """The tail a cluster launch adds: rank 0's buffer for the other splits' fp32 partials of one
-    [block_m, block_n] tile, then the mbarrier's 16 bytes."""
+    [block_m, block_n] tile, then the mbarrier."""
     return (split_k - 1) * block_m * block_n * 4 + MBARRIER_BYTES
 
 
@@ -74,9 +64,10 @@ if HAS_TRITON:
     @triton.jit
     def split_ids(CLUSTER: tl.constexpr, SPLIT_K: tl.constexpr):
         """(pid_n, pid_k) of a split-K launch: grid (tiles, splits) or, CLUSTER, (tiles x splits)
-        with the splits of a tile consecutive (one cluster). CLUSTER also arrives at the cluster
-        barrier's first phase, which cluster_combine waits on before touching another CTA."""
-        if CLUSTER == 2:  # ASYNC: rank 0's thread 0 sets up the mbarrier first (count 1: its own arrive)
+        with the splits of a tile consecutive (one cluster). CLUSTER also has rank 0's thread 0 set
+        up the mbarrier (count 1: its own arrive) and every thread arrive at the cluster barrier's
+        first phase, which cluster_combine waits on before touching another CTA."""
+        if CLUSTER:
             p = tl.program_id(0)
             tl.inline_asm_elementwise(
                 "{ .reg .pred p; .reg .u32 t, r, a; mov.u32 t, %tid.x; mov.u32 r, %cluster_ctarank; or.b32 t, t, r;"
@@ -85,19 +76,8 @@ if HAS_TRITON:
                 " barrier.cluster.arrive.relaxed; mov.u32 $0, 0; }", "=r,r", [p],
                 dtype=tl.int32, is_pure=False, pack=1)
             return p // SPLIT_K, p % SPLIT_K
-        elif CLUSTER:
-            p = tl.program_id(0)
-            tl.inline_asm_elementwise("barrier.cluster.arrive.relaxed;\nmov.u32 $0, 0;", "=r,r", [p],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-            return p // SPLIT_K, p % SPLIT_K
         else:
             return tl.program_id(0), tl.program_id(1)
-
-    @triton.jit
-    def _arrive_release(dummy):
-        """Arrive at the cluster barrier, this thread's shared-memory writes visible to its waiters."""
-        tl.inline_asm_elementwise("barrier.cluster.arrive.release;\nmov.u32 $0, 0;", "=r,r", [dummy],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _wait_acquire(dummy):
@@ -131,34 +111,23 @@ if HAS_TRITON:
             " mov.u32 $0, 0; }", "=r,r,r", [bar, bar * 0 + BYTES], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def cluster_combine(acc, out_ptr, offs, mask, pid_k, SPLIT_K: tl.constexpr, CLUSTER: tl.constexpr = 1):
+    def cluster_combine(acc, out_ptr, offs, mask, pid_k, SPLIT_K: tl.constexpr):
         """Sum acc [BM, BN] fp32 over the SPLIT_K CTAs of this cluster (rank = pid_k) and store it
-        at out_ptr + offs (mask) from rank 0. Every thread of every CTA gets here once.
-        CLUSTER: 1 BARRIER, 2 ASYNC (the module's doc)."""
+        at out_ptr + offs (mask) from rank 0. Every thread of every CTA gets here once."""
         BM: tl.constexpr = acc.shape[0]
         BN: tl.constexpr = acc.shape[1]
         SLOT: tl.constexpr = BM * BN * 4
         elem = (tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]) * 4
         # the last bytes of the dynamic shared memory: the partials, then the mbarrier
         base = shared_tail((SPLIT_K - 1) * SLOT + 16, pid_k)
-        _wait_acquire(pid_k)  # phase 0 (arrived in split_ids): every CTA has started (ASYNC: the mbarrier is set)
-        if pid_k > 0:
-            if CLUSTER == 2:  # staged in our own first slot (copies of an element write the same value)
-                tl.inline_asm_elementwise("st.shared.f32 [$1], $2;\nmov.u32 $0, 0;", "=r,r,f", [base + elem, acc],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-                tl.debug_barrier()
-                _send_async(base, (pid_k - 1) * SLOT, SLOT, (SPLIT_K - 1) * SLOT)
-            else:
-                tl.inline_asm_elementwise(
-                    "{ .reg .u32 r; mapa.shared::cluster.u32 r, $1, 0; st.shared::cluster.f32 [r], $2; mov.u32 $0, 0; }",
-                    "=r,r,f", [base + (pid_k - 1) * SLOT + elem, acc], dtype=tl.int32, is_pure=False, pack=1)
-                _arrive_release(pid_k)  # phase 1: our partial is in rank 0; exiting is allowed
+        _wait_acquire(pid_k)  # phase 0 (arrived in split_ids): every CTA started, the mbarrier is set
+        if pid_k > 0:  # staged in our own first slot (copies of an element write the same value)
+            tl.inline_asm_elementwise("st.shared.f32 [$1], $2;\nmov.u32 $0, 0;", "=r,r,f", [base + elem, acc],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+            tl.debug_barrier()
+            _send_async(base, (pid_k - 1) * SLOT, SLOT, (SPLIT_K - 1) * SLOT)
         else:
-            if CLUSTER == 2:
-                _wait_bytes(base + (SPLIT_K - 1) * SLOT, (SPLIT_K - 1) * SLOT)
-            else:
-                _arrive_release(pid_k)
-                _wait_acquire(pid_k)  # phase 1 done: every partial is in our shared memory
+            _wait_bytes(base + (SPLIT_K - 1) * SLOT, (SPLIT_K - 1) * SLOT)
             total = acc
             for s in tl.static_range(1, SPLIT_K):
                 total += tl.inline_asm_elementwise("ld.shared.f32 $0, [$1];", "=f,r", [base + (s - 1) * SLOT + elem],

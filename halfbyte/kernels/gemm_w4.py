@@ -22,7 +22,7 @@ import os
 import torch
 
 from halfbyte.kernels.gemv_w4 import _DEQUANT_PTX, _use_asm
-from halfbyte.kernels.cluster import cluster_mode, partial_bytes, split_ids
+from halfbyte.kernels.cluster import cluster_wanted, partial_bytes, split_ids
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
 from halfbyte.kernels.shared_memory import launch_with_shared
 from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, triton
@@ -88,7 +88,7 @@ if HAS_TRITON:
         M, N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
         SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, X_SPLIT: tl.constexpr, PDL: tl.constexpr,
-        DIAG: tl.constexpr = 0, CLUSTER: tl.constexpr = 0,
+        DIAG: tl.constexpr = 0, CLUSTER: tl.constexpr = False,
     ):
         pdl_sync(PDL)
         # out = x W^T, the weight tile as the dot's second operand: on sm_90 Triton 3.6 lowers it to
@@ -212,13 +212,13 @@ def gemm_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, block_m: int | None = None,
-    x_split: bool | None = None, cluster: bool | str | None = None, _diag: int = 0,
+    x_split: bool | None = None, cluster: bool | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [2 <= M <= 64, K] fp16 -> [M, N] fp16. block_m < M splits the rows over programs
     (more programs, each weight tile read once per row block, mostly from L2). x_split: split x's
     tiles into value planes in the kernel instead of permuting x first (one launch less per
     call; default X_SPLIT, HALFBYTE_GEMM_X=permute|split). cluster: combine the K splits in a
-    thread-block cluster, True / "barrier" or "async" (cluster.py; None: HALFBYTE_SPLITK_CLUSTER=1|async, an experiment). _diag: bench/gemv.py --diag only (the
+    thread-block cluster (cluster.py; None: HALFBYTE_SPLITK_CLUSTER=1, off by default). _diag: bench/gemv.py --diag only (the
     output is then wrong; see the kernel)."""
     m, k = x.shape
     if not supports(x, 4, group_size):
@@ -245,7 +245,7 @@ def gemm_w4(
     consts = dict(GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k,
                   USE_ASM=_use_asm(), X_SPLIT=x_split, DIAG=_diag, num_warps=num_warps, num_stages=num_stages,
                   **pdl_args(x.device))
-    clustered = cluster_mode(x.device, split_k, cluster, block_m * block_n)
+    clustered = cluster_wanted(x.device, split_k, cluster, block_m * block_n)
     if clustered:
         launch_with_shared(_gemm_w4_kernel, (col_blocks, 1, row_blocks), partial_bytes(split_k, block_m, block_n), *args,
                            cluster=split_k, CLUSTER=clustered, **consts)

@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from halfbyte.kernels.cluster import cluster_mode, partial_bytes, split_ids
+from halfbyte.kernels.cluster import cluster_wanted, partial_bytes, split_ids
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
 from halfbyte.kernels.shared_memory import (commit_copies, copy_rows_async, launch_with_shared, load_shared, shared_tail,
                                             wait_copies)
@@ -361,7 +361,7 @@ if HAS_TRITON:
         N, K, k_per_split,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
         PAIR_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, DIAG: tl.constexpr,
-        ONE_TILE: tl.constexpr = False, EARLY_SCALES: tl.constexpr = False, CLUSTER: tl.constexpr = 0,
+        ONE_TILE: tl.constexpr = False, EARLY_SCALES: tl.constexpr = False, CLUSTER: tl.constexpr = False,
         STAGES: tl.constexpr = 1,
     ):
         BLOCK_K: tl.constexpr = BLOCK_KW * 8
@@ -478,11 +478,11 @@ _M1_TUNED: dict[tuple[int, int], tuple[int, int, int | None, int, int, bool]] = 
 }
 # Hopper (sm_90+, compiled, not interpreted): entries that use its cluster launch or the staged
 # one-tile path and beat the plain table there (H100, 2026-12-08, bench/gemv.py --stages /
-# --sweep-cluster --cluster-mode async): the table's fields, then gemv_w4's stages and cluster.
+# --sweep-cluster): the table's fields, then gemv_w4's stages and cluster (None: as without the entry).
 # HALFBYTE_GEMV_HOPPER=0 keeps the plain table (A/B runs).
-_M1_TUNED_HOPPER: dict[tuple[int, int], tuple[tuple[int, int, int | None, int, int, bool], int, str | bool]] = {
-    (4096, 4096): ((16, 512, 1, 2, 8, True), 2, False),  # 8B o: tile in 2 staged sub-tiles, 5.86 -> 5.08 us
-    (8192, 8192): ((32, 128, 2, 2, 8, True), 1, "async"),  # 70B o: split 2 combined in a cluster, 16.37 -> 14.58 us
+_M1_TUNED_HOPPER: dict[tuple[int, int], tuple[tuple[int, int, int | None, int, int, bool], int, bool | None]] = {
+    (4096, 4096): ((16, 512, 1, 2, 8, True), 2, None),  # 8B o: tile in 2 staged sub-tiles, 5.86 -> 5.08 us
+    (8192, 8192): ((32, 128, 2, 2, 8, True), 1, True),  # 70B o: split 2 combined in a cluster, 16.37 -> 14.58 us
 }
 _HOPPER_ENV = os.environ.get("HALFBYTE_GEMV_HOPPER", "1") != "0"
 # HALFBYTE_GEMV_PAIRS=0 / 1 forces pair_rows off / on for every shape (A/B runs)
@@ -523,7 +523,7 @@ def gemv_w4(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
     split_k: int | None = None, block_n: int | None = None, block_kw: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pair_rows: bool | None = None,
-    one_tile: bool | None = None, early_scales: bool | None = None, cluster: bool | str | None = None,
+    one_tile: bool | None = None, early_scales: bool | None = None, cluster: bool | None = None,
     stages: int | None = None, _diag: int = 0,
 ) -> torch.Tensor:
     """x [1, K] fp16 -> [1, N] fp16. pair_rows: reduce two word rows per fp32 conversion (block_kw even).
@@ -532,8 +532,8 @@ def gemv_w4(
     early_scales: with one_tile, request the tile's scales and mins before the PDL wait, with its
     words, one row per group (None: HALFBYTE_GEMV_EARLY_SCALES=1; an experiment, not yet timed;
     ignored unless the tile lies inside one group or holds whole groups).
-    cluster: combine the K splits in a thread-block cluster, True / "barrier" or "async" (cluster.py; None:
-    HALFBYTE_SPLITK_CLUSTER=1|async; an experiment, not yet timed; sm_90+, 2-8 splits, else the counter combine).
+    cluster: combine the K splits in a thread-block cluster (cluster.py; None: the Hopper table's
+    choice, else HALFBYTE_SPLITK_CLUSTER=1; sm_90+, 2-8 splits, else the counter combine).
     stages: a one-tile paired split's tile as 2 or 4 sub-tiles staged through shared memory by
     cp.async, each dotted as it lands (None: HALFBYTE_GEMV_STAGES, default 1; an experiment, not
     yet timed; ignored unless one_tile and pair_rows, a sub-tile's word pairs a power of two and
@@ -584,7 +584,7 @@ def gemv_w4(
     consts = dict(GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split_k, PAIR_ROWS=pair_rows,
                   USE_ASM=_use_asm(), DIAG=_diag, ONE_TILE=one_tile, EARLY_SCALES=early, STAGES=stages,
                   num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device))
-    clustered = cluster_mode(x.device, split_k, cluster, block_n)
+    clustered = cluster_wanted(x.device, split_k, cluster, block_n)
     if clustered or (stages > 1 and _use_asm()):  # shared memory of our own (and a cluster launch)
         extra = (_staged_bytes(stages, block_kw, block_n) if stages > 1 else 0) + (
             partial_bytes(split_k, 1, block_n) if clustered else 0)

@@ -48,16 +48,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _write_out(acc, out_ptr, partial_ptr, counter_ptr, rm, rn, M, N, pid_n, pid_k, SPLIT_K: tl.constexpr,
-                   COMBINE: tl.constexpr = True, CLUSTER: tl.constexpr = 0):
+                   COMBINE: tl.constexpr = True, CLUSTER: tl.constexpr = False):
         """acc to out, or with SPLIT_K > 1 to this split's partial, the last split of a column
         block summing them into out. COMBINE=False stops at the partial (a timing diagnostic).
-        CLUSTER (1 | 2, a cluster launch, cluster.py): the splits sum in rank 0's shared memory instead."""
+        CLUSTER (a cluster launch, cluster.py): the splits sum in rank 0's shared memory instead."""
         mask = (rm < M)[:, None] & (rn < N)[None, :]
         offs = rm[:, None] * N + rn[None, :]
         if SPLIT_K == 1:
             tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
         elif CLUSTER and COMBINE:
-            cluster_combine(acc, out_ptr, offs, mask, pid_k, SPLIT_K, CLUSTER)
+            cluster_combine(acc, out_ptr, offs, mask, pid_k, SPLIT_K)
         else:
             tl.store(partial_ptr + pid_k * M * N + offs, acc, mask=mask)
             if COMBINE:
