@@ -371,7 +371,7 @@ CLUSTER_MODES = (False, True)  # the counter combine, the cluster's
 
 
 def _modes(us: list[float | None]) -> str:
-    """'a1 a2 / b1 b2 / c1 c2' from CLUSTER_MODES' times twice over ([a, b, c, a, b, c])."""
+    """'a1 a2 / b1 b2' from CLUSTER_MODES' times twice over ([a, b, a, b])."""
     f = lambda v: "fail" if v is None else f"{v:.1f}"  # noqa: E731
     n = len(CLUSTER_MODES)
     return " / ".join(f"{f(us[i])} {f(us[i + n])}" for i in range(n))

@@ -31,37 +31,35 @@ def _poisoned_next(n: int, m: int = 1) -> None:
     torch.empty(m, n, dtype=torch.float16, device=DEVICE).fill_(float("nan"))  # the allocator's next block
 
 
+def _check_cluster_against_counter(matmul, n: int, k: int, m: int, seed: int, **kw) -> None:  # type: ignore[no-untyped-def]
+    """matmul (gemv_w4 / gemm_w4) on fresh random [m, k] x [k, n] 4-bit g128: with the cluster
+    combine within 1e-3 of the reference and bit-identical to the counter combine, the outputs'
+    memory poisoned before each call."""
+    group = 128
+    qweight, scales, mins = random_packed(n, k, 4, group, seed=seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).half().to(DEVICE)
+    ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
+    _poisoned_next(n, m)
+    counter = matmul(x, qweight, scales, mins, group, cluster=False, **kw)
+    _poisoned_next(n, m)
+    clustered = matmul(x, qweight, scales, mins, group, cluster=True, **kw)
+    assert rel_err(clustered, ref) <= 1e-3
+    assert torch.equal(clustered, counter)
+
+
 @needs_hopper
 @pytest.mark.parametrize("split_k", [2, 3, 4, 8])
 @pytest.mark.parametrize("pairs", [False, True])
 def test_gemv_w4_cluster_combine(split_k: int, pairs: bool) -> None:
-    n, k, group = 1000, 4096, 128  # 1000: the last column block partly past N
-    qweight, scales, mins = random_packed(n, k, 4, group, seed=split_k)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(split_k)).half().to(DEVICE)
-    ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
-    kw = dict(split_k=split_k, block_n=64, block_kw=16, pair_rows=pairs)
-    _poisoned_next(n)
-    counter = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=False, **kw)
-    _poisoned_next(n)
-    clustered = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=True, **kw)
-    assert rel_err(clustered, ref) <= 1e-3
-    assert torch.equal(clustered, counter)
+    # N 1000: the last column block partly past N
+    _check_cluster_against_counter(gemv_w4.gemv_w4, 1000, 4096, 1, split_k, split_k=split_k, block_n=64, block_kw=16,
+                                   pair_rows=pairs)
 
 
 @needs_hopper
 @pytest.mark.parametrize("m,split_k", [(2, 2), (5, 3), (16, 4), (16, 8)])
 def test_gemm_w4_cluster_combine(m: int, split_k: int) -> None:
-    n, k, group = 200, 4096, 128
-    qweight, scales, mins = random_packed(n, k, 4, group, seed=m)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().to(DEVICE)
-    ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
-    kw = dict(split_k=split_k, block_n=64, block_kw=16)
-    _poisoned_next(n, m)
-    counter = gemm_w4.gemm_w4(x, qweight, scales, mins, group, cluster=False, **kw)
-    _poisoned_next(n, m)
-    clustered = gemm_w4.gemm_w4(x, qweight, scales, mins, group, cluster=True, **kw)
-    assert rel_err(clustered, ref) <= 1e-3
-    assert torch.equal(clustered, counter)
+    _check_cluster_against_counter(gemm_w4.gemm_w4, 200, 4096, m, m, split_k=split_k, block_n=64, block_kw=16)
 
 
 @needs_hopper
@@ -69,17 +67,8 @@ def test_gemm_w4_cluster_combine(m: int, split_k: int) -> None:
 def test_staged_tiles_with_the_cluster_combine(stages: int) -> None:
     """gemv_w4's staged one-tile path (its sub-tiles in shared memory before the partials' buffer)
     with the cluster combine, against the same staged path with the counter combine."""
-    n, k, group = 1000, 4096, 128
-    qweight, scales, mins = random_packed(n, k, 4, group, seed=stages)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(stages)).half().to(DEVICE)
-    ref = quant_matmul_ref(x, qweight, scales, mins, 4, group)
-    kw = dict(split_k=2, block_n=32, block_kw=256, pair_rows=True, one_tile=True, stages=stages)
-    _poisoned_next(n)
-    counter = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=False, **kw)
-    _poisoned_next(n)
-    clustered = gemv_w4.gemv_w4(x, qweight, scales, mins, group, cluster=True, **kw)
-    assert rel_err(clustered, ref) <= 1e-3
-    assert torch.equal(clustered, counter)
+    _check_cluster_against_counter(gemv_w4.gemv_w4, 1000, 4096, 1, stages, split_k=2, block_n=32, block_kw=256,
+                                   pair_rows=True, one_tile=True, stages=stages)
 
 
 @needs_hopper

@@ -45,6 +45,11 @@ def cluster_wanted(device: torch.device, split_k: int, cluster: bool | None = No
         cluster = os.environ.get("HALFBYTE_SPLITK_CLUSTER", "0") == "1"
     if not cluster or not 2 <= split_k <= MAX_CLUSTER or tile_elems % 4 or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
+    return has_clusters(device)
+
+
+def has_clusters(device: torch.device) -> bool:
+    """Whether device is a GPU with thread-block clusters (Hopper, sm_90+)."""
     return device.type == "cuda" and _has_clusters(device.index if device.index is not None else torch.cuda.current_device())
 
 

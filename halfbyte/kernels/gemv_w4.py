@@ -25,12 +25,11 @@ the PTX path. The reference is quant_matmul.quant_matmul_ref."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
-from halfbyte.kernels.cluster import cluster_wanted, partial_bytes, split_ids
+from halfbyte.kernels.cluster import cluster_wanted, has_clusters, partial_bytes, split_ids
 from halfbyte.kernels.quant_gemv import _write_out, split_k_launch
 from halfbyte.kernels.shared_memory import (commit_copies, copy_rows_async, launch_with_shared, load_shared, shared_tail,
                                             wait_copies)
@@ -379,7 +378,7 @@ if HAS_TRITON:
         # ONE_TILE (k_per_split == BLOCK_K): no loop, so no registers hold a next tile in flight. Kept
         # as its own branch: the loop with its next-tile load switched off instead still keeps the tile
         # live (offline sm_90: 32 x 512 paired 128 -> 174 registers, 8 x 512 x 4 warps 78 -> 168).
-        # STAGES > 1 (with ONE_TILE and PAIR_ROWS; HALFBYTE_GEMV_STAGES, an experiment): _staged_tile.
+        # STAGES > 1 (with ONE_TILE and PAIR_ROWS; the Hopper table, HALFBYTE_GEMV_STAGES): _staged_tile.
         if STAGES > 1:
             # the sub-tiles' buffer (_staged_bytes) before cluster_combine's partials, at the end
             FROM_END: tl.constexpr = (2 * STAGES * (BLOCK_KW // STAGES // 2) * BLOCK_N * 4
@@ -503,14 +502,6 @@ def _use_asm() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-@functools.cache
-def _hopper_index(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def _is_hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and _hopper_index(device.index if device.index is not None else torch.cuda.current_device())
-
 
 def supports(x: torch.Tensor, bits: int, group_size: int) -> bool:
     """Whether gemv_w4 handles this call: one fp16 row (4-byte aligned: x is read as half2
@@ -535,8 +526,8 @@ def gemv_w4(
     cluster: combine the K splits in a thread-block cluster (cluster.py; None: the Hopper table's
     choice, else HALFBYTE_SPLITK_CLUSTER=1; sm_90+, 2-8 splits, else the counter combine).
     stages: a one-tile paired split's tile as 2 or 4 sub-tiles staged through shared memory by
-    cp.async, each dotted as it lands (None: HALFBYTE_GEMV_STAGES, default 1; an experiment, not
-    yet timed; ignored unless one_tile and pair_rows, a sub-tile's word pairs a power of two and
+    cp.async, each dotted as it lands (None: the Hopper table's choice, else HALFBYTE_GEMV_STAGES,
+    default 1; faster only for some tiles, BENCHMARKS.md 2026-12-08; ignored unless one_tile and pair_rows, a sub-tile's word pairs a power of two and
     inside one group or whole groups, N a multiple of 4 and the words 16-byte aligned).
     _diag (bench/gemv.py --diag only; the output is then wrong): 1 skips the split-K combine, 2 also
     the arithmetic (the same loads, XORed): what the combine and the math cost."""
@@ -545,7 +536,7 @@ def gemv_w4(
     n = qweight.shape[1]
     assert (k // 8) * n < 2**31, "word offsets are int32"
     tuned = _M1_TUNED.get((n, k))
-    hopper = _M1_TUNED_HOPPER.get((n, k)) if _HOPPER_ENV and _use_asm() and _is_hopper(x.device) else None
+    hopper = _M1_TUNED_HOPPER.get((n, k)) if _HOPPER_ENV and _use_asm() and has_clusters(x.device) else None
     if hopper is not None and block_n is None and block_kw is None and split_k is None:
         tuned = hopper[0]
         stages = hopper[1] if stages is None else stages
