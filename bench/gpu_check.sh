@@ -4,7 +4,7 @@
 #   steps: tests (kernels vs references), parity (GPU vs CPU engine on SmolLM2, batched vs alone),
 #   decode (8B batch-1 decode + prefill), gemv (per-shape GB/s), read (plain reads of the small shapes' bytes, every grid), gemv_i8 (the int8-x GEMV beside gemv_w4), sampling, tp (tensor-parallel 1
 #   vs plain), serving (issue 5's GPU cases), triton_prefill (the opt-in prefill attention kernel),
-#   decode_nopdl / profile64_nopdl / gemv_nopdl (the same with HALFBYTE_PDL=0), decode_noi8 (HALFBYTE_W4_I8=0), decode_cluster (HALFBYTE_SPLITK_CLUSTER=1), decode_head (LM head at $HEAD_BITS, 4), exl2 (exllamav2 0.3.2 on a GPTQ checkpoint of the same shape, after decode: ratios),
+#   decode_nopdl / profile64_nopdl / gemv_nopdl (the same with HALFBYTE_PDL=0), decode_noi8 (HALFBYTE_W4_I8=0), decode_cluster (HALFBYTE_SPLITK_CLUSTER=1), decode_l2 (HALFBYTE_L2_PREFETCH=$L2_MODE, bulk), decode_head (LM head at $HEAD_BITS, 4), exl2 (exllamav2 0.3.2 on a GPTQ checkpoint of the same shape, after decode: ratios),
 #   tp9 (issue 9, >= 2 GPUs: tensor-parallel parity and decode scaling per all-reduce, .evaltext/tokenizer
 #   carried; TP_SHAPES / TP_ALLREDUCE / TP_PARITY=0 split it over calls),
 #   exl2q (exllamav2's converter on SmolLM2 at issue 3's budgets: ppl / KL beside halfbyte's; GGUF parts + .evaltext).
@@ -56,6 +56,9 @@ step_decode_noi8() {  # the same decode without the norms writing int8 planes fo
 }
 step_decode_cluster() {  # the same decode with the split-K combines through thread-block clusters
   HALFBYTE_SPLITK_CLUSTER=1 timeout 150 python3 bench/decode.py --shape llama3-8b --json "$OUT/decode_8b_cluster.json" 2>&1 | tail -5
+}
+step_decode_l2() {  # the same decode with the next GEMV's weights asked into the L2 before the small kernels
+  HALFBYTE_L2_PREFETCH=${L2_MODE:-bulk} timeout 150 python3 bench/decode.py --shape llama3-8b --json "$OUT/decode_8b_l2.json" 2>&1 | tail -5
 }
 step_decode_head() {  # the same decode with the LM head quantized to HEAD_BITS (4) bits
   timeout 150 python3 bench/decode.py --shape llama3-8b --head-bits "${HEAD_BITS:-4}" --json "$OUT/decode_8b_head.json" 2>&1 | tail -5

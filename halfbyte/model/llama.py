@@ -15,6 +15,7 @@ from halfbyte.kernels.activation import silu_and_mul
 from halfbyte.kernels.attention import AttentionMetadata, paged_attention
 from halfbyte.kernels.embedding import embedding
 from halfbyte.kernels.gemv_w4_i8 import XPlanes
+from halfbyte.kernels.l2_prefetch import l2_prefetch, prefetch_mode
 from halfbyte.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_planes
 from halfbyte.kernels.rotary import rope_and_store
 from halfbyte.model.config import ModelConfig
@@ -25,6 +26,14 @@ if TYPE_CHECKING:
     from halfbyte.model.quant_linear import QuantLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: k, v [num_pages, page_size, Hkv, D]
+WARM_MAX_ROWS = 16  # decode-sized batches stream their weights; prefill's matmuls do not wait on them
+
+
+def warm_l2(linear: nn.Module, x: torch.Tensor) -> None:
+    """Ask the L2 for linear's weights now, so that the small kernels launched before its GEMV
+    run while they stream in (kernels/l2_prefetch.py: off unless HALFBYTE_L2_PREFETCH is set)."""
+    if x.is_cuda and x.shape[0] <= WARM_MAX_ROWS and prefetch_mode() is not None:
+        l2_prefetch([*linear.parameters(), *linear.buffers()])
 
 
 class Attention(nn.Module):
@@ -46,6 +55,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         qkv = self.qkv_proj(x, x_planes)
+        warm_l2(self.o_proj, x)  # during RoPE and attention
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -63,7 +73,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor, x_planes: XPlanes | None = None) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x, x_planes)))
+        gate_up = self.gate_up_proj(x, x_planes)
+        warm_l2(self.down_proj, x)  # during SiLU-mul
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -99,8 +111,10 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        warm_l2(self.self_attn.qkv_proj, x)  # during the norm
         h, residual, planes = self._pre_norm(x, residual, self.input_layernorm, self.self_attn.qkv_proj)
         h = self.self_attn(h, cos, sin, kv_cache, meta, planes)
+        warm_l2(self.mlp.gate_up_proj, h)
         h, residual, planes = self._pre_norm(h, residual, self.post_attention_layernorm, self.mlp.gate_up_proj)
         return self.mlp(h, planes), residual
 
