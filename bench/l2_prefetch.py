@@ -4,7 +4,8 @@ rotated through copies larger than the L2, so each one is cold, as in a decode s
 
     window     W x RMSNorm of one row (PDL-chained small kernels: the decode step's norms,
                RoPE, attention) and nothing else
-    + prefetch the prefetch launch, then the window: what the launch costs the chain
+    + prefetch the prefetch launch, then the window: what the launch costs the chain (+side: the
+               prefetch on a side stream, joined after the GEMV)
     cold       the window, then the GEMV
     warmed     the prefetch, the window, then the GEMV
 
@@ -40,7 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="8b.o,8b.qkv,8b.down")
     ap.add_argument("--windows", default="0,1,3", help="RMSNorm launches between the prefetch and the GEMV")
-    ap.add_argument("--modes", default=",".join(lp.MODES))
+    ap.add_argument("--modes", default="bulk,lines,bulk+side,lines+side", help="+side: on a side stream")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ["HALFBYTE_L2_PREFETCH_MB"] = "1000000"  # the bench decides what to prefetch
@@ -65,14 +66,16 @@ def main() -> None:
                    "window_us": rotated_time(lambda q, s, m: small(), weights) * 1e6,
                    "cold_us": rotated_time(lambda q, s, m: (small(), gemv(q, s, m)), weights) * 1e6}
             for mode in args.modes.split(","):
-                os.environ["HALFBYTE_L2_PREFETCH"] = mode
+                os.environ["HALFBYTE_L2_PREFETCH"] = mode.removesuffix("+side")
+                os.environ["HALFBYTE_L2_PREFETCH_SIDE"] = "1" if mode.endswith("+side") else "0"
 
                 def warm(q, s, m) -> None:  # type: ignore[no-untyped-def]
                     lp.l2_prefetch([q, s, m])
 
-                row[f"{mode}_window_us"] = rotated_time(lambda q, s, m: (warm(q, s, m), small()), weights) * 1e6
+                row[f"{mode}_window_us"] = rotated_time(
+                    lambda q, s, m: (warm(q, s, m), small(), lp.join(x.device)), weights) * 1e6
                 row[f"{mode}_warmed_us"] = rotated_time(
-                    lambda q, s, m: (warm(q, s, m), small(), gemv(q, s, m)), weights) * 1e6
+                    lambda q, s, m: (warm(q, s, m), small(), gemv(q, s, m), lp.join(x.device)), weights) * 1e6
             os.environ["HALFBYTE_L2_PREFETCH"] = "0"
             rows.append(row)
     modes = args.modes.split(",")

@@ -76,15 +76,17 @@ def test_prefetch_is_off_by_default_and_refuses_an_unknown_mode(monkeypatch: pyt
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("side", ["0", "1"])
 @pytest.mark.parametrize("mode", lp.MODES)
 def test_graphed_decode_is_the_same_with_and_without_the_prefetch(
-    monkeypatch: pytest.MonkeyPatch, mode: str
+    monkeypatch: pytest.MonkeyPatch, mode: str, side: str
 ) -> None:
     if mode == "bulk" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("not run: the bulk prefetch needs sm_90")
     monkeypatch.setenv("HALFBYTE_L2_PREFETCH", "0")
     without = graphed_decode_logits(1, 16)
     monkeypatch.setenv("HALFBYTE_L2_PREFETCH", mode)
+    monkeypatch.setenv("HALFBYTE_L2_PREFETCH_SIDE", side)  # 1: on a side stream the graph forks and joins
     with_prefetch = graphed_decode_logits(1, 16)
     assert torch.isfinite(without).all()
     assert torch.equal(with_prefetch, without)

@@ -16,6 +16,11 @@ nothing reads a result, so outputs cannot change (the GPU test: a graphed decode
 with and without). `record` (the interpreter's mode) stores each thread's (address, size) instead,
 and the tests hold it to `chunk_plan`, the torch-free reference of which bytes are asked for.
 
+HALFBYTE_L2_PREFETCH_SIDE=1 launches it on a side stream instead (forked from the current one,
+joined by `join`, which the model calls at the end of its forward): then no kernel of the chain
+waits for it, whatever the hardware counts as its completion; in the chain (the default) the next
+kernel's PDL wait is for the prefetch launch's exit.
+
 Off unless HALFBYTE_L2_PREFETCH=bulk or lines (not yet timed in a decode step); regions larger in
 total than HALFBYTE_L2_PREFETCH_MB (default 20: well inside the L2 with the KV reads beside it) are
 skipped, since a prefetch that evicts itself before the GEMV reads it only adds traffic."""
@@ -129,7 +134,7 @@ def _num_sms(device_index: int) -> int:
 
 
 def launch(region_list: Sequence[tuple[int, int]], device: torch.device, mode: str, programs: int,
-           record: torch.Tensor | None = None) -> tuple[int, int]:
+           record: torch.Tensor | None = None, pdl: bool = True) -> tuple[int, int]:
     """One launch over up to MAX_REGIONS regions, chunked for about `programs` programs; returns
     (chunk bytes, programs launched). record (mode "record"): int64 [programs launched * LANES * 2]
     for each thread's (address, size)."""
@@ -143,9 +148,27 @@ def launch(region_list: Sequence[tuple[int, int]], device: torch.device, mode: s
     grid = -(-ends // LANES)  # each region's last chunk may be short: a few more chunks than asked
     if record is not None and record.numel() < grid * LANES * 2:
         raise ValueError(f"record holds {record.numel()} values, the launch writes {grid * LANES * 2}")
-    pdl = pdl_args(device) if mode != "record" else {"PDL": False}
-    _l2_prefetch_kernel[(grid,)](*args, chunk, record, LANES_=LANES, MODE=mode, num_warps=LANES // 32, **pdl)
+    launch_args = pdl_args(device) if pdl and mode != "record" else {"PDL": False}
+    _l2_prefetch_kernel[(grid,)](*args, chunk, record, LANES_=LANES, MODE=mode, num_warps=LANES // 32, **launch_args)
     return chunk, grid
+
+
+@functools.cache
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device_index)
+
+
+_forked: set[int] = set()  # devices whose side stream has prefetches not yet joined
+
+
+def join(device: torch.device) -> None:
+    """Make the current stream wait for the prefetches launched on the side stream (a CUDA graph
+    capture must join every stream it forked before it ends)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index in _forked:
+            torch.cuda.current_stream(index).wait_stream(_side_stream(index))
+            _forked.discard(index)
 
 
 def l2_prefetch(tensors: Sequence[torch.Tensor]) -> None:
@@ -160,6 +183,14 @@ def l2_prefetch(tensors: Sequence[torch.Tensor]) -> None:
     found = regions(tensors, _UNIT[mode])
     if not found or sum(n for _, n in found) > prefetch_cap_bytes():
         return
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    for i in range(0, len(found), MAX_REGIONS):
-        launch(found[i : i + MAX_REGIONS], device, mode, programs=sms)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if os.environ.get("HALFBYTE_L2_PREFETCH_SIDE", "0") != "1":
+        for i in range(0, len(found), MAX_REGIONS):
+            launch(found[i : i + MAX_REGIONS], device, mode, programs=_num_sms(index))
+        return
+    side = _side_stream(index)
+    side.wait_stream(torch.cuda.current_stream(index))  # after the kernel before: DRAM is free
+    with torch.cuda.stream(side):  # no PDL there: its edge from the main stream is a full one
+        for i in range(0, len(found), MAX_REGIONS):
+            launch(found[i : i + MAX_REGIONS], device, mode, programs=_num_sms(index), pdl=False)
+    _forked.add(index)

@@ -15,7 +15,7 @@ from halfbyte.kernels.activation import silu_and_mul
 from halfbyte.kernels.attention import AttentionMetadata, paged_attention
 from halfbyte.kernels.embedding import embedding
 from halfbyte.kernels.gemv_w4_i8 import XPlanes
-from halfbyte.kernels.l2_prefetch import l2_prefetch, prefetch_mode
+from halfbyte.kernels import l2_prefetch
 from halfbyte.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_planes
 from halfbyte.kernels.rotary import rope_and_store
 from halfbyte.model.config import ModelConfig
@@ -32,8 +32,8 @@ WARM_MAX_ROWS = 16  # decode-sized batches stream their weights; prefill's matmu
 def warm_l2(linear: nn.Module, x: torch.Tensor) -> None:
     """Ask the L2 for linear's weights now, so that the small kernels launched before its GEMV
     run while they stream in (kernels/l2_prefetch.py: off unless HALFBYTE_L2_PREFETCH is set)."""
-    if x.is_cuda and x.shape[0] <= WARM_MAX_ROWS and prefetch_mode() is not None:
-        l2_prefetch([*linear.parameters(), *linear.buffers()])
+    if x.is_cuda and x.shape[0] <= WARM_MAX_ROWS and l2_prefetch.prefetch_mode() is not None:
+        l2_prefetch.l2_prefetch([*linear.parameters(), *linear.buffers()])
 
 
 class Attention(nn.Module):
@@ -153,6 +153,7 @@ class LlamaModel(nn.Module):
             x, residual = layer(x, residual, cos, sin, kv, meta)
         assert residual is not None
         x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        l2_prefetch.join(x.device)  # prefetches launched on a side stream, if any
         return x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
