@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -130,6 +131,34 @@ def add_extra_launches(model, n: int) -> None:  # type: ignore[no-untyped-def]
     llama.MLP.forward = forward  # type: ignore[method-assign]
 
 
+def decode_variants(model, pool, max_len: int, variants: list[str], rounds: int, steps: int) -> None:  # type: ignore[no-untyped-def]
+    """Graphed batch-1 decode tok/s at ctx 128 / 2048 under each env variant, alternated, each
+    with its own capture; the table last, one line per variant with every round's numbers."""
+    results: dict[str, list[str]] = {v: [] for v in variants}
+    for r in range(rounds):
+        for v in variants:
+            saved = dict(os.environ)
+            for kv in ([] if v == "default" else v.split(",")):
+                key, _, value = kv.partition("=")
+                os.environ[key] = value
+            try:
+                decoder = CudaGraphDecoder(model, pool.kv_caches, 1, max_len, scratch_page=pool.num_pages - 1)
+                tok_s = []
+                for ctx in (128, 2048):
+                    time_decode(model, pool, decoder, ctx, 8, True)  # capture + warm-up
+                    tok_s.append(time_decode(model, pool, decoder, ctx, steps, True))
+                results[v].append(f"{tok_s[0]:.1f} / {tok_s[1]:.1f}")
+                print(f"round {r + 1} {v}: {results[v][-1]} tok/s (ctx 128 / 2048)", flush=True)
+                del decoder
+                torch.cuda.empty_cache()
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+    print("\ngraphed decode tok/s, ctx 128 / 2048, per round:")
+    for v, got in results.items():
+        print(f"  {v:<44} " + "   ".join(got))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama3-8b")
@@ -144,6 +173,11 @@ def main() -> None:
     ap.add_argument("--extra-launches", type=int, default=0,
                     help="diagnostic: N more small kernels per layer (SiLU-mul of a dummy row of 2 x hidden values, PDL, "
                     "in the chain): what one launch of a fused-away kernel costs the step")
+    ap.add_argument("--env-variants", default=None,
+                    help="'A;B;...', each 'VAR=V[,VAR=V]' or 'default': graphed decode at ctx 128 / 2048 under each, "
+                    "alternated --rounds times on one model, one fresh graph capture each (only switches read per "
+                    "call, such as HALFBYTE_L2_PREFETCH*, change in-process; import-time ones need separate runs)")
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # GPU.md: cuDNN SDPA costs ~2 ms of CPU per call
     dev = torch.device("cuda")
@@ -159,6 +193,10 @@ def main() -> None:
     dense_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     max_len = 2048 + args.steps + 64
     pool = PagePool(model.cfg, -(-max_len // PAGE) + 1, PAGE, torch.float16, dev)
+    if args.env_variants:
+        with torch.inference_mode():
+            decode_variants(model, pool, max_len, args.env_variants.split(";"), args.rounds, args.steps)
+        return
     decoder = CudaGraphDecoder(model, pool.kv_caches, 1, max_len, scratch_page=pool.num_pages - 1)
     rows = {}
     with torch.inference_mode():

@@ -8,6 +8,7 @@ rotated through copies larger than the L2, so each one is cold, as in a decode s
                prefetch on a side stream, joined after the GEMV)
     cold       the window, then the GEMV
     warmed     the prefetch, the window, then the GEMV
+    hot        the window, then the GEMV on one weight, L2-resident after the first call: the floor
 
 warmed < cold is the gain the decode step can expect per GEMV at that window; window + prefetch
 against window says whether the kernel after the prefetch waits for its bytes.
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gemv import SHAPES, make_weight, rotated_time  # noqa: E402
+from gemv import SHAPES, graph_time, make_weight, rotated_time  # noqa: E402
 
 from halfbyte.kernels import l2_prefetch as lp  # noqa: E402
 from halfbyte.kernels.quant_matmul import quant_matmul  # noqa: E402
@@ -63,8 +64,10 @@ def main() -> None:
                 quant_matmul(xk, q, s, m, 4, 128)
 
             row = {"shape": name, "MB": nbytes / 2**20, "window": window,
-                   "window_us": rotated_time(lambda q, s, m: small(), weights) * 1e6,
-                   "cold_us": rotated_time(lambda q, s, m: (small(), gemv(q, s, m)), weights) * 1e6}
+                   # (no window: nothing to time, and an empty graph will not capture)
+                   "window_us": rotated_time(lambda q, s, m: small(), weights) * 1e6 if window else 0.0,
+                   "cold_us": rotated_time(lambda q, s, m: (small(), gemv(q, s, m)), weights) * 1e6,
+                   "hot_us": graph_time(lambda: (small(), gemv(*one))) * 1e6}
             for mode in args.modes.split(","):
                 os.environ["HALFBYTE_L2_PREFETCH"] = mode.removesuffix("+side")
                 os.environ["HALFBYTE_L2_PREFETCH_SIDE"] = "1" if mode.endswith("+side") else "0"
@@ -80,11 +83,11 @@ def main() -> None:
             rows.append(row)
     modes = args.modes.split(",")
     print(f"\n{'shape':<9} {'MB':>5} {'win':>3} {'window':>7} " + " ".join(f"{m + '+win':>10}" for m in modes)
-          + f" {'cold':>7} " + " ".join(f"{m + ' warm':>10}" for m in modes) + "   (us)")
+          + f" {'cold':>7} " + " ".join(f"{m + ' warm':>10}" for m in modes) + f" {'hot':>7}   (us)")
     for r in rows:
         print(f"{r['shape']:<9} {r['MB']:5.1f} {r['window']:>3} {r['window_us']:7.2f} "
               + " ".join(f"{r[m + '_window_us']:10.2f}" for m in modes) + f" {r['cold_us']:7.2f} "
-              + " ".join(f"{r[m + '_warmed_us']:10.2f}" for m in modes))
+              + " ".join(f"{r[m + '_warmed_us']:10.2f}" for m in modes) + f" {r['hot_us']:7.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
