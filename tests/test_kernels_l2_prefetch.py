@@ -64,6 +64,18 @@ def test_regions_stay_inside_each_tensor() -> None:
     assert lp.regions([strided, torch.empty(0), base[5:9]], 16) == []  # skipped, empty, no whole unit
 
 
+def test_a_weight_over_the_cap_is_skipped_or_cut_to_a_prefix_of_each_region() -> None:
+    regs = [(1 << 20, 160_000), (4 << 20, 4_960), (8 << 20, 4_960)]  # words, scales, mins
+    assert lp.within_cap(regs, 200_000, prefix=False, unit=16) == regs
+    assert lp.within_cap(regs, 100_000, prefix=False, unit=16) == []
+    cut = lp.within_cap(regs, 100_000, prefix=True, unit=16)
+    assert [a for a, _ in cut] == [a for a, _ in regs]  # each from its start
+    assert sum(n for _, n in cut) <= 100_000 and all(n % 16 == 0 for _, n in cut)
+    for (_, n), (_, m) in zip(regs, cut):  # the same fraction of each, to a unit
+        assert abs(m / n - 100_000 / sum(r[1] for r in regs)) < 16 / n
+    assert lp.within_cap([(0, 4096)], 100, prefix=True, unit=128) == []  # not one whole line
+
+
 def test_prefetch_is_off_by_default_and_refuses_an_unknown_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HALFBYTE_L2_PREFETCH", raising=False)
     assert lp.prefetch_mode() is None

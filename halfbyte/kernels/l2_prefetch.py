@@ -21,9 +21,12 @@ joined by `join`, which the model calls at the end of its forward): then no kern
 waits for it, whatever the hardware counts as its completion; in the chain (the default) the next
 kernel's PDL wait is for the prefetch launch's exit.
 
-Off unless HALFBYTE_L2_PREFETCH=bulk or lines (not yet timed in a decode step); regions larger in
+Off unless HALFBYTE_L2_PREFETCH=bulk or lines (not yet timed in a decode step). Weights larger in
 total than HALFBYTE_L2_PREFETCH_MB (default 20: well inside the L2 with the KV reads beside it) are
-skipped, since a prefetch that evicts itself before the GEMV reads it only adds traffic."""
+skipped, since a prefetch that evicts itself before the GEMV reads it only adds traffic, or with
+HALFBYTE_L2_PREFETCH_PREFIX=1 get that many bytes from the start of each region, in proportion:
+the [K/8, N] words and [groups, N] scales of the K rows that a split-K grid's first wave (the
+splits are program_id(1)) reads first."""
 
 from __future__ import annotations
 
@@ -74,6 +77,18 @@ def regions(tensors: Sequence[torch.Tensor], unit: int) -> list[tuple[int, int]]
         if end > start:
             out.append((start, end - start))
     return out
+
+
+def within_cap(region_list: list[tuple[int, int]], cap: int, prefix: bool, unit: int) -> list[tuple[int, int]]:
+    """The regions if they total at most cap bytes; else nothing, or (prefix) each region's first
+    part, all cut to the same fraction of themselves (in whole units) so they total at most cap."""
+    total = sum(n for _, n in region_list)
+    if total <= cap:
+        return region_list
+    if not prefix:
+        return []
+    cut = [(a, n * cap // total // unit * unit) for a, n in region_list]
+    return [(a, n) for a, n in cut if n > 0]
 
 
 def chunk_bytes(total: int, programs: int, unit: int) -> int:
@@ -173,15 +188,16 @@ def join(device: torch.device) -> None:
 
 def l2_prefetch(tensors: Sequence[torch.Tensor]) -> None:
     """Ask the L2 for these tensors' bytes, where turned on (HALFBYTE_L2_PREFETCH), on a GPU,
-    outside the interpreter, and within HALFBYTE_L2_PREFETCH_MB; otherwise nothing."""
+    outside the interpreter, up to HALFBYTE_L2_PREFETCH_MB (within_cap); otherwise nothing."""
     mode = prefetch_mode()
     if mode is None or not tensors or tensors[0].device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return
     device = tensors[0].device
     if mode == "bulk" and torch.cuda.get_device_capability(device)[0] < 9:
         return
-    found = regions(tensors, _UNIT[mode])
-    if not found or sum(n for _, n in found) > prefetch_cap_bytes():
+    prefix = os.environ.get("HALFBYTE_L2_PREFETCH_PREFIX", "0") == "1"
+    found = within_cap(regions(tensors, _UNIT[mode]), prefetch_cap_bytes(), prefix, _UNIT[mode])
+    if not found:
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
     if os.environ.get("HALFBYTE_L2_PREFETCH_SIDE", "0") != "1":
