@@ -56,12 +56,12 @@ def test_regions_stay_inside_each_tensor() -> None:
     base = torch.empty(4096, dtype=torch.int8)
     view = base[3:1003]  # starts 3 bytes past an aligned address
     start, end = view.data_ptr(), view.data_ptr() + 1000
-    [(b0, bn)] = lp.regions([view], 16)
+    [(b0, bn)] = lp.regions([view], lines=False)
     assert b0 % 16 == 0 and bn % 16 == 0 and start <= b0 and b0 + bn <= end and bn >= 1000 - 30
-    [(l0, ln)] = lp.regions([view], 128)  # every line holding a byte of the view, whole
+    [(l0, ln)] = lp.regions([view], lines=True)  # every line holding a byte of the view, whole
     assert l0 % 128 == 0 and ln % 128 == 0 and l0 <= start and l0 + ln >= end and l0 + ln - 128 < end
     strided = torch.empty(64, 64)[:, ::2]
-    assert lp.regions([strided, torch.empty(0), base[5:9]], 16) == []  # skipped, empty, no whole unit
+    assert lp.regions([strided, torch.empty(0), base[5:9]], lines=False) == []  # skipped, empty, no whole unit
 
 
 def test_a_weight_over_the_cap_is_skipped_or_cut_to_a_prefix_of_each_region() -> None:

@@ -41,8 +41,9 @@ from halfbyte.kernels.triton_utils import HAS_TRITON, pdl_args, pdl_sync, tl, tr
 MAX_REGIONS = 4  # per launch
 LANES = 32  # threads per program: one warp, one chunk each
 MODES = ("bulk", "lines")
-# each mode's alignment: TMA wants 16-byte addresses and sizes; a line prefetch names its line
-_UNIT = {"bulk": 16, "lines": 128, "record": 16}
+LINE = 128  # bytes a line prefetch fetches
+ALIGN = 16  # TMA wants 16-byte addresses and sizes
+_UNIT = {"bulk": ALIGN, "lines": LINE, "record": ALIGN}
 
 
 def prefetch_mode() -> str | None:
@@ -59,21 +60,22 @@ def prefetch_cap_bytes() -> int:
     return int(float(os.environ.get("HALFBYTE_L2_PREFETCH_MB", "20")) * 2**20)
 
 
-def regions(tensors: Sequence[torch.Tensor], unit: int) -> list[tuple[int, int]]:
-    """(address, bytes) of each non-empty contiguous tensor, in whole units inside it: a bulk
-    prefetch must start and end on 16 bytes, so the unaligned ends are left out; a line
-    prefetch fetches the line holding its address, so the first line starts at or before it."""
+def regions(tensors: Sequence[torch.Tensor], lines: bool) -> list[tuple[int, int]]:
+    """(address, bytes) of each non-empty contiguous tensor: lines, every 128-byte line holding a
+    byte of it (a line prefetch fetches the line holding its address, so this reads nothing
+    outside the tensor's lines); else its 16-byte-aligned interior (a bulk prefetch must start
+    and end on 16 bytes, so the unaligned ends are left out)."""
     out = []
     for t in tensors:
         if t.numel() == 0 or not t.is_contiguous():
             continue
         start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-        if unit == 128:  # lines: every line holding a byte of t
-            start = start - start % unit
-            end = end + (-end) % unit
-        else:  # bulk: the aligned interior
-            start = start + (-start) % unit
-            end = end - end % unit
+        if lines:
+            start = start - start % LINE
+            end = end + (-end) % LINE
+        else:
+            start = start + (-start) % ALIGN
+            end = end - end % ALIGN
         if end > start:
             out.append((start, end - start))
     return out
@@ -117,7 +119,7 @@ if HAS_TRITON:
                 " @p cp.async.bulk.prefetch.L2.global [$1], s; mov.u32 $0, 0; }",
                 "=r,l,l", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
         else:  # lines
-            for off in range(0, chunk, 128):
+            for off in range(0, chunk, 128):  # LINE
                 tl.inline_asm_elementwise(
                     "{ .reg .pred p; setp.gt.s64 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
                     "=r,l,l", [addr + off, size - off], dtype=tl.int32, is_pure=False, pack=1)
@@ -196,7 +198,7 @@ def l2_prefetch(tensors: Sequence[torch.Tensor]) -> None:
     if mode == "bulk" and torch.cuda.get_device_capability(device)[0] < 9:
         return
     prefix = os.environ.get("HALFBYTE_L2_PREFETCH_PREFIX", "0") == "1"
-    found = within_cap(regions(tensors, _UNIT[mode]), prefetch_cap_bytes(), prefix, _UNIT[mode])
+    found = within_cap(regions(tensors, lines=mode == "lines"), prefetch_cap_bytes(), prefix, _UNIT[mode])
     if not found:
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
