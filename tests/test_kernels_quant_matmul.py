@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from halfbyte.kernels import gemv_w4
+from halfbyte.kernels import gemv_w2, gemv_w4
 from halfbyte.kernels.quant_gemv import gemv_triton
 from halfbyte.kernels.quant_matmul import dequantize_ref, dequantize_t_triton, quant_matmul_ref, quant_matmul_triton
 from tests.kernel_testing import DEVICE, rel_err
@@ -95,6 +95,51 @@ def test_gemv_w4(n: int, k: int, group: int) -> None:
         gemv_w4.gemv_w4(x, qweight, scales, mins, group, block_kw=3, pair_rows=True)
     with pytest.raises(ValueError, match="one_tile"):
         gemv_w4.gemv_w4(x, qweight, scales, mins, group, split_k=1, block_kw=8, one_tile=True)
+
+
+@pytest.mark.parametrize("n,k,group", [(96, 576, 128), (300, 1536, 32), (64, 4096, 64), (40, 544, 32)])
+def test_gemv_w2(n: int, k: int, group: int) -> None:
+    """The fp16x2 2-bit kernel for one row (on the GPU its PTX path) against the reference, poisoned
+    outputs: splits of whole tiles, of part tiles, none; last groups short of the group size."""
+    qweight, scales, mins = random_packed(n, k, 2, group, seed=n + 2)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + 2)).half().to(DEVICE)
+    assert gemv_w2.supports(x, 2, group)
+    ref = quant_matmul_ref(x, qweight, scales, mins, 2, group)
+    for split_k, block_n, block_kw, warps in ((1, 64, 8, 4), (3, 128, 16, 4), (None, None, None, None),
+                                              (2, 32, 4, 1), (5, 256, 32, 8)):
+        torch.empty(1, n, dtype=x.dtype, device=DEVICE).fill_(float("nan"))  # poison the allocator's next block
+        cfg = {} if block_n is None else dict(block_n=block_n, block_kw=block_kw, num_warps=warps)
+        out = gemv_w2.gemv_w2(x, qweight, scales, mins, group, split_k=split_k, **cfg)
+        assert out.dtype == torch.float16 and out.shape == (1, n)
+        assert rel_err(out, ref) <= 1e-3, (split_k, block_n, rel_err(out, ref))
+    # large activations: 16 products of |q - 2| <= 2 summed in fp16 stay finite and accurate
+    big = x * 300
+    assert rel_err(gemv_w2.gemv_w2(big, qweight, scales, mins, group), quant_matmul_ref(big, qweight, scales, mins, 2, group)) <= 1e-3
+
+
+def test_gemv_w2_declines_what_it_cannot_do() -> None:
+    x = torch.randn(1, 512).half()
+    assert gemv_w2.supports(x, 2, 32)
+    assert not gemv_w2.supports(x.float(), 2, 32)  # fp16 only
+    assert not gemv_w2.supports(x, 4, 32)  # gemv_w4's
+    assert not gemv_w2.supports(torch.randn(2, 512).half(), 2, 32)  # one row
+    assert not gemv_w2.supports(torch.randn(1, 513).half()[:, 1:], 2, 32)  # misaligned view
+
+
+def test_quant_matmul_sends_one_2_bit_row_to_gemv_w2_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from halfbyte.kernels import quant_matmul as qm
+
+    calls: list[int] = []
+    real = gemv_w2.gemv_w2
+    monkeypatch.setattr(gemv_w2, "gemv_w2", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    qweight, scales, mins = random_packed(64, 512, 2, 32, seed=3)
+    x = torch.randn(1, 512).half().to(DEVICE)
+    ref = quant_matmul_ref(x, qweight, scales, mins, 2, 32)
+    monkeypatch.setattr(qm, "use_triton", lambda t: True)  # the dispatch as on a GPU, in the interpreter here
+    monkeypatch.setenv("HALFBYTE_GEMV_W2", "0")
+    assert rel_err(qm.quant_matmul(x, qweight, scales, mins, 2, 32), ref) <= 1e-3 and calls == []
+    monkeypatch.setenv("HALFBYTE_GEMV_W2", "1")
+    assert rel_err(qm.quant_matmul(x, qweight, scales, mins, 2, 32), ref) <= 1e-3 and calls == [1]
 
 
 def test_gemv_w4_declines_what_it_cannot_do() -> None:

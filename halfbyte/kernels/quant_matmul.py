@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from halfbyte.kernels import gemm_w4, gemv_w4, gemv_w4_i8
+from halfbyte.kernels import gemm_w4, gemv_w2, gemv_w4, gemv_w4_i8
 from halfbyte.kernels.dispatch import use_triton
 from halfbyte.kernels.quant_gemv import gemv_triton
 from halfbyte.kernels.triton_utils import HAS_TRITON, tl, triton
@@ -152,7 +152,7 @@ def quant_matmul(
     """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype (fp32 accumulation): the weight-streaming
     kernel for decode-sized M (its fp16x2 4-bit form where it applies; HALFBYTE_W4_KERNEL=generic
     compares against the generic one), at 4 bits tensor cores for 2-64 rows (gemm_w4), tiles for
-    mid-sized M, dequantize + cuBLAS for prefill."""
+    mid-sized M, dequantize + cuBLAS for prefill; one 2-bit row through gemv_w2 with HALFBYTE_GEMV_W2=1."""
     if use_triton(x):
         m = x.shape[0]
         if os.environ.get("HALFBYTE_W4_KERNEL") != "generic":
@@ -160,6 +160,8 @@ def quant_matmul(
                 return gemv_w4.gemv_w4(x, qweight, scales, mins, group_size)
             if gemm_w4.supports(x, bits, group_size):
                 return gemm_w4.gemm_w4(x, qweight, scales, mins, group_size)
+            if gemv_w2.enabled() and gemv_w2.supports(x, bits, group_size):
+                return gemv_w2.gemv_w2(x, qweight, scales, mins, group_size)
         if m <= 16 and 32 % bits == 0:
             return gemv_triton(x, qweight, scales, mins, bits, group_size)
         if m <= DENSE_THRESHOLD_M:
